@@ -1,0 +1,9 @@
+"""torch_triton_gemm: PyTorch matrix multiplications on readable Triton kernels.
+
+Importing the package registers the operators under ``torch.ops.tgemm``.
+"""
+
+from .ops.mm import mm
+
+__all__ = ["mm"]
+__version__ = "0.1.0"

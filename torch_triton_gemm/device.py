@@ -1,0 +1,75 @@
+"""The one place that knows the hardware: interpreter mode, SM count, capability, shared memory.
+
+Everything here is cached per device; nothing else in the package queries the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when a kernel is decorated, so it is fixed for the process once the
+    package is imported.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def kernel_device_error(device: torch.device) -> str | None:
+    """Why tgemm kernels cannot run on ``device`` in this process, or None when they can."""
+    if device.type == "cuda":
+        if interpreter_enabled():
+            return (
+                "CUDA tensors cannot be used while TRITON_INTERPRET=1 (Triton's CPU interpreter); "
+                "unset it to run on the GPU"
+            )
+        return None
+    if device.type == "cpu":
+        if interpreter_enabled():
+            return None
+        return (
+            "CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 before "
+            "importing torch_triton_gemm (slow; meant for small sizes), or move the tensors to a "
+            "CUDA GPU"
+        )
+    return f"device type '{device.type}' is not supported (use CUDA tensors)"
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int) -> torch.cuda._CudaDeviceProperties:
+    return torch.cuda.get_device_properties(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def num_sms(device: torch.device) -> int:
+    """Number of streaming multiprocessors (132 on an H100 SXM)."""
+    return _properties(_index(device)).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability, e.g. (9, 0) for Hopper."""
+    props = _properties(_index(device))
+    return props.major, props.minor
+
+
+# Shared memory assumed when no GPU can be asked (tracing CUDA FakeTensors on a CPU-only host):
+# the smallest opt-in limit among sm_80+ GPUs (sm_86/sm_89), so traced configs launch anywhere.
+_PORTABLE_SHARED_MEMORY = 101376
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_per_block(index: int) -> int:
+    """Largest shared-memory allocation one program may use, in bytes (opt-in limit)."""
+    if not torch.cuda.is_available():
+        return _PORTABLE_SHARED_MEMORY
+    props = _properties(index)
+    opt_in = getattr(props, "shared_memory_per_block_optin", 0)
+    return int(opt_in or props.shared_memory_per_block)

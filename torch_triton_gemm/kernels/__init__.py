@@ -1,0 +1,1 @@
+"""Triton kernels only: ``@triton.jit`` functions, no torch code."""

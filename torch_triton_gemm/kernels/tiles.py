@@ -1,0 +1,123 @@
+"""Pieces every tgemm kernel is built from: tile order, the K loop, the epilogue.
+
+The mm, grouped and scaled kernels compose these helpers and switch behaviour with
+``tl.constexpr`` flags instead of carrying their own copies.
+"""
+
+import triton
+import triton.language as tl
+
+# Activation names understood by ``apply_activation``; the ops validate against this tuple.
+ACTIVATIONS = ("none", "relu", "gelu", "silu", "leaky_relu")
+LEAKY_RELU_SLOPE = tl.constexpr(0.01)  # torch.nn.functional.leaky_relu's default
+GELU_TANH_COEFF = tl.constexpr(0.044715)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map a linear program id to a (tile row, tile column) pair.
+
+    Programs run in column-major order within bands of GROUP_M tile rows, so the B tiles a band
+    reads stay in L2 while its A rows are reused across the band (the tutorial's L2 grouping).
+    """
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def widen(x, INDEX_64: tl.constexpr):
+    """Promote an index (tensor, runtime scalar or specialised constant) to int64 when asked.
+
+    Offsets into tensors of 2**31 elements or more would wrap in int32 arithmetic.
+    """
+    if INDEX_64:
+        return x + tl.full([], 0, tl.int64)
+    else:
+        return x
+
+
+@triton.jit
+def dot_tile(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr):
+    """acc += a @ b with fp32 accumulation.
+
+    UPCAST_TO_FP32 is set only under Triton's CPU interpreter, whose bf16 dot multiplies the raw
+    bit patterns; an fp32 dot of the widened tiles is exact there.
+    """
+    if UPCAST_TO_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def k_loop(
+    a_ptr, b_ptr, offs_m, offs_n, K,
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
+):
+    """Accumulate one [BLOCK_M, BLOCK_N] tile of A[offs_m, :] @ B[:, offs_n] in fp32.
+
+    offs_m / offs_n must already point at valid rows / columns (callers wrap them modulo M / N),
+    so only K needs masking: the full BLOCK_K steps run unmasked and software-pipelined, and one
+    masked step handles the remainder when K is not a multiple of BLOCK_K.
+    """
+    offs_k = widen(tl.arange(0, BLOCK_K), INDEX_64)
+    a_ptrs = a_ptr + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = b_ptr + (offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+    a_step = BLOCK_K * widen(stride_ak, INDEX_64)
+    b_step = BLOCK_K * widen(stride_bk, INDEX_64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_full = K // BLOCK_K
+    for _ in range(0, k_full):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        acc = dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    k_left = K - k_full * BLOCK_K
+    if k_left > 0:
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
+    return acc
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    """Elementwise activation on an fp32 tile; names as in ``ACTIVATIONS``."""
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "gelu":
+        # tanh approximation; tanh(u) = 2 * sigmoid(2u) - 1 keeps to portable math functions.
+        u = SQRT_2_OVER_PI * (x + GELU_TANH_COEFF * x * x * x)
+        x = x * tl.sigmoid(2.0 * u)
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    elif ACTIVATION == "leaky_relu":
+        x = tl.where(x >= 0.0, x, LEAKY_RELU_SLOPE * x)
+    return x
+
+
+@triton.jit
+def store_epilogue(
+    acc, c_ptr, bias_ptr, offs_m, offs_n, M, N,
+    stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+):
+    """Add bias (per output column), apply the activation in fp32, cast and store the tile."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,174 @@
+"""Config spaces, pruning rules and heuristics for the tgemm kernels.
+
+Configs are data: a tile (BLOCK_M, BLOCK_N, BLOCK_K), the L2 band height GROUP_M, and the launch
+shape (num_warps, num_stages). The autotuner is keyed on power-of-two size buckets, so shapes
+that differ slightly (every M from 1025 to 2048, say) share one tuning run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from . import device as _device
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int  # for 16-bit inputs; scaled by element size, see `_for_dtype`
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# The mm search space. BLOCK_K is written for 2-byte inputs and rescaled per dtype so that a
+# pipeline stage moves the same number of bytes (fp8: x2, fp32: /2).
+MM_TILES: tuple[TileConfig, ...] = (
+    # Large, compute-bound shapes: 128x256 / 256x128 tiles with 8 warps feed Hopper's wgmma.
+    TileConfig(128, 256, 64, 8, 8, 3),
+    TileConfig(256, 128, 64, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 4),
+    TileConfig(128, 128, 64, 8, 4, 4),
+    TileConfig(128, 128, 32, 8, 4, 5),
+    TileConfig(64, 256, 64, 8, 4, 4),
+    TileConfig(128, 64, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 4, 4),
+    TileConfig(64, 64, 64, 8, 4, 5),
+    # Skinny M (decode, small batches): memory-bound on B, so narrow M tiles, narrow N tiles for
+    # enough programs to fill the SMs, and deep K steps to keep many bytes in flight.
+    TileConfig(16, 32, 256, 1, 4, 4),
+    TileConfig(16, 64, 256, 1, 4, 4),
+    TileConfig(16, 128, 128, 1, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 4),
+    TileConfig(32, 128, 128, 4, 4, 4),
+    TileConfig(64, 64, 128, 4, 4, 4),
+)
+
+# Tile for Triton's CPU interpreter: it pays per program and per K step in Python, and CI sizes
+# are small, so one modest tile serves every shape there.
+INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
+
+_AUTOTUNE_ENV = "TORCH_TRITON_GEMM_AUTOTUNE"
+
+
+def autotune_enabled() -> bool:
+    """Autotuning is on for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0``; the interpreter never tunes."""
+    if _device.interpreter_enabled():
+        return False
+    return os.environ.get(_AUTOTUNE_ENV, "1") != "0"
+
+
+def size_bucket(x: int) -> int:
+    """Power-of-two bucket of a size: the autotuner's cache key for that dimension."""
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def _for_dtype(tile: TileConfig, element_size: int) -> TileConfig:
+    block_k = max(16, tile.block_k * 2 // element_size)
+    return TileConfig(tile.block_m, tile.block_n, block_k, tile.group_m, tile.num_warps,
+                      tile.num_stages)
+
+
+def _fits_problem(tile: TileConfig, m_bucket: int, n_bucket: int) -> bool:
+    # A tile much larger than the problem wastes its work; a tile much smaller than a large
+    # problem wastes bandwidth on re-reads. Both bounds use the power-of-two buckets.
+    if tile.block_m > max(16, m_bucket) or tile.block_n > max(32, n_bucket):
+        return False
+    if m_bucket >= 256 and tile.block_m < 64:
+        return False
+    if m_bucket <= 64 and tile.block_m > 64:
+        return False
+    return True
+
+
+def _shared_memory_bytes(tile: TileConfig, element_size: int) -> int:
+    return (tile.block_m + tile.block_n) * tile.block_k * element_size * tile.num_stages
+
+
+def _as_triton(tile: TileConfig) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+         "GROUP_M": tile.group_m},
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def _tiles_for(element_size: int) -> set[TileConfig]:
+    return {_for_dtype(t, element_size) for t in MM_TILES}
+
+
+def _prune_mm_configs(configs: list[triton.Config], named_args: dict[str, Any],
+                      **kwargs: Any) -> list[triton.Config]:
+    """early_config_prune for the mm autotuner: keep configs that suit the dtype and size bucket."""
+    named_args = {**named_args, **kwargs}  # launches may pass kernel arguments by keyword
+    a = named_args["a_ptr"]
+    element_size = a.element_size()
+    allowed = _tiles_for(element_size)
+    smem_limit = _device.shared_memory_per_block(a.device.index or 0)
+    kept = []
+    for cfg in configs:
+        kw = cfg.kwargs
+        tile = TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"],
+                          cfg.num_warps, cfg.num_stages)
+        if tile not in allowed:
+            continue
+        if not _fits_problem(tile, named_args["M_BUCKET"], named_args["N_BUCKET"]):
+            continue
+        if tile.block_k > max(32, named_args["K_BUCKET"]):
+            continue
+        if _shared_memory_bytes(tile, element_size) > smem_limit:
+            continue
+        kept.append(cfg)
+    if not kept:
+        m, n, k = named_args["M_BUCKET"], named_args["N_BUCKET"], named_args["K_BUCKET"]
+        kept = [_as_triton(heuristic_mm_tile(m, n, k, element_size))]
+    return kept
+
+
+def mm_configs() -> list[triton.Config]:
+    """Every config the mm autotuner may try, for all input element sizes (pruned per call)."""
+    tiles = []
+    for element_size in (1, 2, 4):
+        tiles += [t for t in sorted(_tiles_for(element_size), key=repr) if t not in tiles]
+    return [_as_triton(t) for t in tiles]
+
+
+def heuristic_mm_tile(m: int, n: int, k: int, element_size: int) -> TileConfig:
+    """The tile used without autotuning (``TORCH_TRITON_GEMM_AUTOTUNE=0``, or the interpreter)."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_TILE
+    if m <= 16:
+        tile = TileConfig(16, 64, 256, 1, 4, 4)
+    elif m <= 64:
+        tile = TileConfig(64, 64, 128, 4, 4, 4)
+    elif n <= 64:
+        tile = TileConfig(128, 64, 64, 8, 4, 4)
+    else:
+        tile = TileConfig(128, 128, 64, 8, 8, 4)
+    return _for_dtype(tile, element_size)
+
+
+def mm_launch_config(tile: TileConfig) -> dict[str, Any]:
+    """Keyword arguments that launch the mm kernel with ``tile`` (no autotuner)."""
+    cfg = _as_triton(tile)
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def autotune_mm(kernel: Any) -> Any:
+    """Wrap the mm kernel in Triton's autotuner, keyed on size buckets and the operand layout.
+
+    Results are cached on disk (``cache_results``) so a process does not re-tune shapes an
+    earlier run already tuned.
+    """
+    return triton.autotune(
+        configs=mm_configs(),
+        key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"],
+        prune_configs_by={"early_config_prune": _prune_mm_configs},
+        cache_results=True,
+    )(kernel)
