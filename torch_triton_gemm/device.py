@@ -40,7 +40,7 @@ def kernel_device_error(device: torch.device) -> str | None:
     return f"device type '{device.type}' is not supported (use CUDA tensors)"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _properties(index: int) -> torch.cuda._CudaDeviceProperties:
     return torch.cuda.get_device_properties(index)
 
@@ -65,7 +65,7 @@ def capability(device: torch.device) -> tuple[int, int]:
 _PORTABLE_SHARED_MEMORY = 101376
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shared_memory_per_block(index: int) -> int:
     """Largest shared-memory allocation one program may use, in bytes (opt-in limit)."""
     if not torch.cuda.is_available():

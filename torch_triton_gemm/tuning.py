@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import triton
 
 from . import device as _device
@@ -58,7 +57,7 @@ _AUTOTUNE_ENV = "TORCH_TRITON_GEMM_AUTOTUNE"
 
 
 def autotune_enabled() -> bool:
-    """Autotuning is on for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0``; the interpreter never tunes."""
+    """On for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0``; the interpreter never tunes."""
     if _device.interpreter_enabled():
         return False
     return os.environ.get(_AUTOTUNE_ENV, "1") != "0"

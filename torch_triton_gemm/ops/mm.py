@@ -44,10 +44,12 @@ _mm_kernel_autotuned = tuning.autotune_mm(mm_kernel)
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
                   out_dtype: torch.dtype | None) -> torch.dtype:
     """Validate the arguments (also under FakeTensor and symbolic shapes); return the out dtype."""
-    torch._check(a.dim() == 2,
-                 lambda: f"tgemm::mm: a must be 2-D [M, K], got {a.dim()}-D of shape {tuple(a.shape)}")
-    torch._check(b.dim() == 2,
-                 lambda: f"tgemm::mm: b must be 2-D [K, N], got {b.dim()}-D of shape {tuple(b.shape)}")
+    torch._check(
+        a.dim() == 2,
+        lambda: f"tgemm::mm: a must be 2-D [M, K], got {a.dim()}-D of shape {tuple(a.shape)}")
+    torch._check(
+        b.dim() == 2,
+        lambda: f"tgemm::mm: b must be 2-D [K, N], got {b.dim()}-D of shape {tuple(b.shape)}")
     torch._check(
         a.shape[1] == b.shape[0],
         lambda: f"tgemm::mm: a has {a.shape[1]} columns but b has {b.shape[0]} rows "

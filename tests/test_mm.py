@@ -1,0 +1,480 @@
+"""tgemm::mm: numerics, errors, gradients, opcheck, fake tensors and graph capture.
+
+Every case is checked against a float64 reference. Without a GPU the kernels run on CPU tensors in
+Triton's interpreter (see conftest.py); GPU-only tests carry the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import expecttest
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from samples import (
+    FP8,
+    LAYOUTS,
+    make_operand,
+    randn,
+    reference,
+    rel_error,
+    sample_inputs,
+    tolerance,
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm.ops.mm import launch_mm
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, *FP8]
+ACTIVATIONS = ["none", "relu", "gelu", "silu", "leaky_relu"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def highest_fp32():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def _expected_out_dtype(sample) -> torch.dtype:
+    if sample.out_dtype is not None:
+        return sample.out_dtype
+    return torch.bfloat16 if sample.a.dtype in FP8 else sample.a.dtype
+
+
+def _poisoned(shape: tuple[int, int], dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64_reference(device, dtype, highest_fp32):
+    """Every layout x shape x epilogue sample, through the op and through a poisoned output."""
+    for s in sample_inputs(device, dtype):
+        out_dtype = _expected_out_dtype(s)
+        ref = reference(s.a, s.b, s.bias, s.activation)
+        out = tg.mm(*s.args())
+        assert out.shape == ref.shape and out.dtype == out_dtype, s.name
+        assert out.is_contiguous(), s.name
+        err = rel_error(out, ref)
+        assert err <= tolerance(out_dtype, dtype), f"{s.name}: rel err {err:.3e}"
+        # The same launch into a NaN-filled buffer: every element must be written.
+        poisoned = _poisoned(tuple(ref.shape), out_dtype, device)
+        launch_mm(s.a, s.b, s.bias, poisoned, s.activation)
+        assert rel_error(poisoned, ref) <= tolerance(out_dtype, dtype), s.name
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_k_zero_gives_activation_of_bias(device, dtype, activation):
+    bias = randn((24,), dtype, device)
+    a = randn((9, 0), dtype, device)
+    b = randn((0, 24), dtype, device)
+    out = tg.mm(a, b, bias, activation)
+    ref = reference(a, b, bias, activation)
+    assert rel_error(out, ref) <= 1e-2
+    assert torch.equal(tg.mm(a, b), torch.zeros(9, 24, dtype=dtype, device=device))
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 8), (8, 0, 8), (0, 0, 0)])
+def test_empty_results(device, shape):
+    m, n, k = shape
+    out = tg.mm(randn((m, k), torch.float16, device), randn((k, n), torch.float16, device))
+    assert out.shape == (m, n) and out.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "dtype,out_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+     (torch.float32, torch.bfloat16), (torch.float8_e4m3fn, torch.float16),
+     (torch.float8_e5m2, torch.float32)],
+    ids=str,
+)
+def test_out_dtype(device, dtype, out_dtype, highest_fp32):
+    a = randn((33, 50), dtype, device)
+    b = randn((50, 21), dtype, device)
+    bias = randn((21,), torch.float32, device)
+    out = tg.mm(a, b, bias, "silu", out_dtype)
+    assert out.dtype == out_dtype
+    assert rel_error(out, reference(a, b, bias, "silu")) <= tolerance(out_dtype, dtype)
+
+
+def test_tf32_precision_setting(device):
+    """fp32 inputs follow torch.get_float32_matmul_precision (tf32 unless 'highest')."""
+    previous = torch.get_float32_matmul_precision()
+    try:
+        a, b = randn((40, 72), torch.float32, device), randn((72, 30), torch.float32, device)
+        for precision in ("high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            err = rel_error(tg.mm(a, b), reference(a, b))
+            assert err <= tolerance(torch.float32, torch.float32), (precision, err)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(0, 80),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]),
+    layout_a=st.sampled_from(LAYOUTS), layout_b=st.sampled_from(LAYOUTS),
+    with_bias=st.booleans(), activation=st.sampled_from(ACTIVATIONS),
+)
+def test_property_random_problems(device, highest_fp32, m, n, k, dtype, layout_a, layout_b,
+                                  with_bias, activation):
+    a = make_operand(m, k, dtype, device, layout_a, "a")
+    b = make_operand(k, n, dtype, device, layout_b, "b")
+    bias = randn((n,), torch.float32, device) if with_bias else None
+    out = tg.mm(a, b, bias, activation)
+    out_dtype = torch.bfloat16 if dtype in FP8 else dtype
+    assert rel_error(out, reference(a, b, bias, activation)) <= tolerance(out_dtype, dtype)
+
+
+def test_deterministic(device):
+    a, b = randn((50, 90), torch.bfloat16, device), randn((90, 40), torch.bfloat16, device)
+    assert torch.equal(tg.mm(a, b), tg.mm(a, b))
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def _bad_inputs(device: str):
+    f16 = torch.float16
+    a, b = randn((4, 8), f16, device), randn((8, 6), f16, device)
+    return [
+        ((randn((2, 4, 8), f16, device), b), RuntimeError,
+         "tgemm::mm: a must be 2-D [M, K], got 3-D of shape (2, 4, 8)"),
+        ((a, randn((8,), f16, device)), RuntimeError,
+         "tgemm::mm: b must be 2-D [K, N], got 1-D of shape (8,)"),
+        ((a, randn((7, 6), f16, device)), RuntimeError,
+         "tgemm::mm: a has 8 columns but b has 7 rows (a is (4, 8), b is (7, 6))"),
+        ((a, b.float()), ValueError,
+         "tgemm::mm: a and b must have the same dtype, got a torch.float16 and b torch.float32"),
+        ((a.double(), b.double()), ValueError, "tgemm::mm: a has dtype torch.float64; supported"),
+        ((a.to(torch.int32), b.to(torch.int32)), ValueError, "a has dtype torch.int32"),
+        ((a, b.to("meta")), RuntimeError, "tgemm::mm: a is on"),
+        ((a, b, randn((5,), f16, device)), RuntimeError,
+         "tgemm::mm: bias must be 1-D of size N=6 (b's columns), got shape (5,)"),
+        ((a, b, randn((1, 6), f16, device)), RuntimeError, "bias must be 1-D of size N=6"),
+        ((a, b, None, "tanh"), ValueError, "tgemm::mm: unknown activation 'tanh'"),
+        ((a, b, None, "none", torch.int8), ValueError,
+         "tgemm::mm: out_dtype torch.int8 is not supported"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_input_raises_before_launch(device, case, monkeypatch):
+    args, error, message = _bad_inputs(device)[case]
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("a kernel was launched for bad input")
+
+    monkeypatch.setattr("torch_triton_gemm.ops.mm.launch_mm", no_launch)
+    with pytest.raises(error, match=_escape(message)):
+        tg.mm(*args)
+
+
+def _escape(message: str) -> str:
+    import re
+
+    return re.escape(message)
+
+
+def test_fp8_inputs_refuse_autograd(device):
+    a = randn((8, 16), torch.float32, device).to(torch.float8_e4m3fn).requires_grad_()
+    b = randn((16, 8), torch.float8_e4m3fn, device)
+    with pytest.raises(RuntimeError, match="have no gradient"):
+        tg.mm(a, b)
+
+
+def test_cpu_tensors_without_interpreter_explain_what_to_do():
+    script = textwrap.dedent("""
+        import torch, torch_triton_gemm as tg
+        try:
+            tg.mm(torch.randn(4, 4), torch.randn(4, 4))
+        except RuntimeError as e:
+            print("ERROR:", e)
+    """)
+    out = _run_without_interpreter(script)
+    assert "ERROR: tgemm::mm: CPU tensors run only in Triton's interpreter: set " \
+           "TRITON_INTERPRET=1" in out
+
+
+def _run_without_interpreter(script: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+# --- gradients ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradients_match_float64_autograd(device, dtype, activation, highest_fp32):
+    a = make_operand(23, 37, dtype, device, "row", "a").requires_grad_()
+    b = make_operand(37, 29, dtype, device, "col", "b").detach().requires_grad_()
+    bias = randn((29,), dtype, device).requires_grad_()
+    out = tg.mm(a, b, bias, activation)
+    grad_out = randn(tuple(out.shape), dtype, device)
+    grads = torch.autograd.grad(out, (a, b, bias), grad_out)
+
+    a64, b64, bias64 = (t.detach().double().requires_grad_() for t in (a, b, bias))
+    ref = reference(a64, b64, bias64, activation)
+    ref_grads = torch.autograd.grad(ref, (a64, b64, bias64), grad_out.double())
+    for name, g, r, t in zip("a b bias".split(), grads, ref_grads, (a, b, bias)):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        err = rel_error(g, r)
+        assert err <= tolerance(dtype, dtype) * 2, f"grad {name}: rel err {err:.3e}"
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # fp32 on purpose: the op has no fp64
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradcheck_fp32(device, activation, highest_fp32):
+    a = randn((4, 5), torch.float32, device).requires_grad_()
+    b = randn((5, 3), torch.float32, device).requires_grad_()
+    bias = randn((3,), torch.float32, device).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, b, bias: tg.mm(a, b, bias, activation), (a, b, bias),
+        eps=1e-2, atol=5e-3, rtol=5e-3, nondet_tol=0.0)
+
+
+def test_only_needed_gradients(device):
+    a = randn((6, 10), torch.float16, device).requires_grad_()
+    b = randn((10, 4), torch.float16, device)
+    out = tg.mm(a, b, None, "relu")
+    (grad_a,) = torch.autograd.grad(out.sum(), (a,))
+    assert grad_a.shape == a.shape and b.grad is None
+
+
+# --- opcheck, fake tensors, graph capture ------------------------------------------------------
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    samples = sample_inputs(device, torch.float16, requires_grad=requires_grad)
+    chosen = [s for s in samples if s.name in ("nt-37x45x70", "sliced-5x7x3", "col-16x16x0",
+                                                "bias-gelu", "bias-relu")]
+    for s in chosen:
+        torch.library.opcheck(torch.ops.tgemm.mm.default, s.args())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fake_tensor_propagation_cuda(dtype):
+    with FakeTensorMode():
+        a = torch.empty(70, 33, device="cuda", dtype=dtype)
+        w = torch.empty(45, 33, device="cuda", dtype=dtype)
+        bias = torch.empty(45, device="cuda", dtype=torch.float32)
+        out = tg.mm(a, w.t(), bias, "gelu")
+        assert out.shape == (70, 45) and out.stride() == (45, 1)
+        assert out.device.type == "cuda"
+        assert out.dtype == (torch.bfloat16 if dtype in FP8 else dtype)
+        out = tg.mm(a.t(), torch.empty(70, 8, device="cuda", dtype=dtype), out_dtype=torch.float32)
+        assert out.shape == (33, 8) and out.dtype == torch.float32
+        with pytest.raises(RuntimeError, match="a has 33 columns but b has 32 rows"):
+            tg.mm(a, torch.empty(32, 8, device="cuda", dtype=dtype))
+
+
+def _linear_gelu(a, w, bias):
+    return torch.relu(tg.mm(a, w.t(), bias, "gelu")) * 2
+
+
+class TestGraphCapture(expecttest.TestCase):
+    def test_make_fx_keeps_the_op(self):
+        with FakeTensorMode():
+            a = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+            w = torch.empty(48, 32, device="cuda", dtype=torch.bfloat16)
+            bias = torch.empty(48, device="cuda", dtype=torch.bfloat16)
+        gm = make_fx(_linear_gelu, tracing_mode="fake")(a, w, bias)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, a_1, w_1, bias_1):
+    t = torch.ops.aten.t.default(w_1);  w_1 = None
+    mm = torch.ops.tgemm.mm.default(a_1, t, bias_1, 'gelu');  a_1 = t = bias_1 = None
+    relu = torch.ops.aten.relu.default(mm);  mm = None
+    mul = torch.ops.aten.mul.Tensor(relu, 2);  relu = None
+    return mul""")
+
+    def test_symbolic_shapes(self):
+        if not tgemm_device.interpreter_enabled():
+            self.skipTest("symbolic tracing from real inputs needs CPU kernels (interpreter)")
+        a = torch.randn(12, 8)
+        w = torch.randn(6, 8)
+        bias = torch.randn(6)
+        gm = make_fx(_linear_gelu, tracing_mode="symbolic")(a, w, bias)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, a_1, w_1, bias_1):
+    t = torch.ops.aten.t.default(w_1);  w_1 = None
+    mm = torch.ops.tgemm.mm.default(a_1, t, bias_1, 'gelu');  a_1 = t = bias_1 = None
+    relu = torch.ops.aten.relu.default(mm);  mm = None
+    mul = torch.ops.aten.mul.Tensor(relu, 2);  relu = None
+    return mul""")
+
+    def test_functional_trace_exposes_the_kernel(self):
+        """Without the interpreter, AOT-style functional tracing sees the Triton kernel itself
+        (what Inductor compiles), traced here on CUDA FakeTensors with no GPU."""
+        script = textwrap.dedent("""
+            import torch, torch_triton_gemm as tg
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch._subclasses.functional_tensor import dispatch_functionalize
+            from torch.fx.experimental.proxy_tensor import make_fx
+            def f(a, w, bias):
+                return torch.relu(tg.mm(a, w.t(), bias, "gelu")) * 2
+            with FakeTensorMode():
+                a = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+                w = torch.empty(48, 32, device="cuda", dtype=torch.bfloat16)
+                bias = torch.empty(48, device="cuda", dtype=torch.bfloat16)
+            gm = make_fx(dispatch_functionalize(f), tracing_mode="fake")(a, w, bias)
+            for node in gm.graph.nodes:
+                if node.op == "call_function":
+                    name = getattr(node.target, "__name__", str(node.target))
+                    extra = ""
+                    if "triton_kernel" in name:
+                        kw = node.kwargs["kwargs"]
+                        extra = f" ACTIVATION={kw['ACTIVATION']} HAS_BIAS={kw['HAS_BIAS']}"
+                    print(name + extra)
+        """)
+        if torch.cuda.is_available():
+            self.skipTest("runs the GPU-less tracing path; covered by the GPU tests on a GPU")
+        out = _run_without_interpreter(script)
+        self.assertExpectedInline(out.strip(), """\
+t.default
+new_empty.default
+triton_kernel_wrapper_functional ACTIVATION=gelu HAS_BIAS=True
+getitem
+getitem
+getitem
+getitem
+t.default
+t.default
+relu.default
+mul.Tensor""")
+
+
+def test_eager_backend_compile(device):
+    """torch.compile with an eager backend keeps tgemm::mm in the graph (CPU-runnable check)."""
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    a = randn((17, 24), torch.float32, device)
+    w = randn((10, 24), torch.float32, device)
+    bias = randn((10,), torch.float32, device)
+    compiled = torch.compile(_linear_gelu, backend=record, fullgraph=True)
+    out = compiled(a, w, bias)
+    assert "tgemm.mm" in graphs[0].code
+    torch.testing.assert_close(out, _linear_gelu(a, w, bias))
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_inductor_fullgraph_forward_backward(dtype, highest_fp32):
+    def f(x, w, bias):
+        y = tg.mm(x, w.t(), bias, "silu")
+        return (torch.sigmoid(y) * 3 + y).sum(dim=1)
+
+    x = randn((257, 192), dtype, "cuda").requires_grad_()
+    w = randn((129, 192), dtype, "cuda").requires_grad_()
+    bias = randn((129,), dtype, "cuda").requires_grad_()
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(x, w, bias)
+    grads = torch.autograd.grad(out.sum(), (x, w, bias))
+
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    y = reference(x64, w64.t(), b64, "silu")
+    ref = (torch.sigmoid(y) * 3 + y).sum(dim=1)
+    ref_grads = torch.autograd.grad(ref.sum(), (x64, w64, b64))
+    assert rel_error(out, ref) <= tolerance(dtype, dtype)
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) <= 2 * tolerance(dtype, dtype)
+
+
+@pytest.mark.gpu
+def test_inductor_output_code_has_the_kernel():
+    from torch._inductor.utils import run_and_get_code
+
+    x = randn((128, 64), torch.bfloat16, "cuda")
+    w = randn((96, 64), torch.bfloat16, "cuda")
+    out, code = run_and_get_code(torch.compile(_linear_gelu, fullgraph=True), x, w,
+                                 randn((96,), torch.bfloat16, "cuda"))
+    assert "mm_kernel" in "\n".join(code)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_reduce_overhead():
+    x = randn((64, 128), torch.bfloat16, "cuda")
+    w = randn((32, 128), torch.bfloat16, "cuda")
+    bias = randn((32,), torch.bfloat16, "cuda")
+    tg.mm(x, w.t(), bias, "gelu")  # tune outside capture
+    compiled = torch.compile(_linear_gelu, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        x.copy_(randn((64, 128), torch.bfloat16, "cuda"))
+        out = compiled(x, w, bias)
+        ref = torch.relu(reference(x, w.t(), bias, "gelu")) * 2
+        assert rel_error(out, ref) <= 1e-2
+
+    graph = torch.cuda.CUDAGraph()
+    static_out = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.graph(graph):
+        static_out.copy_(tg.mm(x, w.t(), bias, "relu"))
+    x.copy_(randn((64, 128), torch.bfloat16, "cuda"))
+    graph.replay()
+    assert rel_error(static_out, reference(x, w.t(), bias, "relu")) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_dynamic_shapes_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    w = randn((64, 96), torch.float16, "cuda")
+    compiled = torch.compile(lambda x, w: tg.mm(x, w.t(), None, "relu"), dynamic=True)
+    for m in (33, 70, 129, 300):
+        x = randn((m, 96), torch.float16, "cuda")
+        assert rel_error(compiled(x, w), reference(x, w.t(), None, "relu")) <= 1e-2
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+def test_autotuning_is_keyed_by_size_bucket():
+    from torch_triton_gemm.ops import mm as mm_module
+
+    if not mm_module.tuning.autotune_enabled():
+        pytest.skip("autotuning disabled by TORCH_TRITON_GEMM_AUTOTUNE=0")
+    tuner = mm_module._mm_kernel_autotuned
+    w = randn((256, 512), torch.bfloat16, "cuda")
+    tg.mm(randn((1000, 512), torch.bfloat16, "cuda"), w.t())
+    before = len(tuner.cache)
+    for m in range(1001, 1024, 3):
+        x = randn((m, 512), torch.bfloat16, "cuda")
+        assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
+    assert len(tuner.cache) == before
+
+
+@pytest.mark.gpu
+def test_int64_indexing_large_operand():
+    # a has more than 2**31 elements, so offsets into it overflow int32.
+    m, k, n = 65600, 32768, 16
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    out = tg.mm(a, b)
+    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1], device="cuda")
+    ref = a[rows].double() @ b.double()
+    assert rel_error(out[rows], ref) <= 1e-2
+    del a
