@@ -133,6 +133,10 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def tolerance(out_dtype: torch.dtype, input_dtype: torch.dtype) -> float:
     """The budget for a result rounded to ``out_dtype`` from inputs of ``input_dtype``."""
+    if input_dtype in FP8:
+        # Against the dequantized (exact fp8 values) reference; Hopper's fp8 MMA accumulates
+        # with reduced precision, so an fp32 output is not fp32-exact.
+        return 1e-2
     if input_dtype == torch.float32 and out_dtype == torch.float32:
         if torch.get_float32_matmul_precision() != "highest":
             return TOLERANCE["tf32"]

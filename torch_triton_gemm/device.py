@@ -11,11 +11,12 @@ import os
 import torch
 
 
+@functools.cache
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
 
     Triton reads the variable when a kernel is decorated, so it is fixed for the process once the
-    package is imported.
+    package is imported; it is read once here too.
     """
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 

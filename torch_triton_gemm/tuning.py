@@ -7,10 +7,12 @@ that differ slightly (every M from 1025 to 2048, say) share one tuning run.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import triton
 
 from . import device as _device
@@ -56,16 +58,23 @@ INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 _AUTOTUNE_ENV = "TORCH_TRITON_GEMM_AUTOTUNE"
 
 
+@functools.cache
 def autotune_enabled() -> bool:
-    """On for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0``; the interpreter never tunes."""
+    """On for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0`` (read once); never in the interpreter."""
     if _device.interpreter_enabled():
         return False
     return os.environ.get(_AUTOTUNE_ENV, "1") != "0"
 
 
-def size_bucket(x: int) -> int:
-    """Power-of-two bucket of a size: the autotuner's cache key for that dimension."""
-    return triton.next_power_of_2(max(int(x), 1))
+def size_bucket(x: int | torch.SymInt) -> int | torch.SymInt:
+    """Power-of-two bucket of a size: the autotuner's cache key for that dimension.
+
+    A symbolic size (torch.compile with dynamic shapes) is passed through unchanged: bucketing it
+    would guard on its range and recompile per bucket, and Inductor tunes its own launches.
+    """
+    if isinstance(x, torch.SymInt):
+        return x
+    return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def _for_dtype(tile: TileConfig, element_size: int) -> TileConfig:

@@ -20,6 +20,8 @@ registration, autograd, and the typed public function.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 from torch.library import wrap_triton
@@ -41,47 +43,64 @@ _mm_kernel_autotuned = tuning.autotune_mm(mm_kernel)
 
 # --- checks -------------------------------------------------------------------------------------
 
+def _check(cond: bool | torch.SymBool, message: Callable[[], str],
+           error: type[Exception] = RuntimeError) -> None:
+    """torch._check / torch._check_value, skipped for a plain True to keep eager launches cheap.
+
+    Symbolic conditions still go to torch._check, which records them without guarding.
+    """
+    if cond is True:
+        return
+    if error is ValueError:
+        torch._check_value(cond, message)
+    else:
+        torch._check(cond, message)
+
+
+def _check_value(cond: bool, message: Callable[[], str]) -> None:
+    _check(cond, message, ValueError)
+
+
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
                   out_dtype: torch.dtype | None) -> torch.dtype:
     """Validate the arguments (also under FakeTensor and symbolic shapes); return the out dtype."""
-    torch._check(
+    _check(
         a.dim() == 2,
         lambda: f"tgemm::mm: a must be 2-D [M, K], got {a.dim()}-D of shape {tuple(a.shape)}")
-    torch._check(
+    _check(
         b.dim() == 2,
         lambda: f"tgemm::mm: b must be 2-D [K, N], got {b.dim()}-D of shape {tuple(b.shape)}")
-    torch._check(
+    _check(
         a.shape[1] == b.shape[0],
         lambda: f"tgemm::mm: a has {a.shape[1]} columns but b has {b.shape[0]} rows "
                 f"(a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    torch._check_value(
+    _check_value(
         a.dtype in INPUT_DTYPES,
         lambda: f"tgemm::mm: a has dtype {a.dtype}; supported: "
                 f"{', '.join(str(d) for d in INPUT_DTYPES)}")
-    torch._check_value(
+    _check_value(
         a.dtype == b.dtype,
         lambda: f"tgemm::mm: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
-    torch._check(a.device == b.device,
-                 lambda: f"tgemm::mm: a is on {a.device} but b is on {b.device}")
-    torch._check_value(
+    _check(a.device == b.device, lambda: f"tgemm::mm: a is on {a.device} but b is on {b.device}")
+    _check_value(
         activation in ACTIVATIONS,
         lambda: f"tgemm::mm: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if a.dtype in _FP8_DTYPES else a.dtype
-    torch._check_value(
+    _check_value(
         out_dtype in OUT_DTYPES,
         lambda: f"tgemm::mm: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
     if bias is not None:
         n = b.shape[1]
-        torch._check(
+        _check(
             bias.dim() == 1 and bias.shape[0] == n,
             lambda: f"tgemm::mm: bias must be 1-D of size N={n} (b's columns), got shape "
                     f"{tuple(bias.shape)}")
-        torch._check_value(
+        _check_value(
             bias.dtype in OUT_DTYPES,
             lambda: f"tgemm::mm: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
-        torch._check(bias.device == a.device,
-                     lambda: f"tgemm::mm: bias is on {bias.device} but a is on {a.device}")
+        _check(bias.device == a.device,
+               lambda: f"tgemm::mm: bias is on {bias.device} but a is on {a.device}")
     return out_dtype
 
 
@@ -126,7 +145,7 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
               activation: str) -> None:
     """Launch the mm kernel writing activation(a @ b + bias) into ``out`` (checked inputs)."""
     error = _device.kernel_device_error(a.device)
-    torch._check(error is None, lambda: f"tgemm::mm: {error}")
+    _check(error is None, lambda: f"tgemm::mm: {error}")
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
