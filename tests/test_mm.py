@@ -69,6 +69,8 @@ def test_matches_float64_reference(device, dtype, highest_fp32):
         assert out.is_contiguous(), s.name
         err = rel_error(out, ref)
         assert err <= tolerance(out_dtype, dtype), f"{s.name}: rel err {err:.3e}"
+        # tg.mm launches plain eager calls directly; the registered op must agree bitwise.
+        assert torch.equal(torch.ops.tgemm.mm(*s.args()), out), s.name
         # The same launch into a NaN-filled buffer: every element must be written.
         poisoned = _poisoned(tuple(ref.shape), out_dtype, device)
         launch_mm(s.a, s.b, s.bias, poisoned, s.activation)

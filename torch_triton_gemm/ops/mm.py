@@ -21,6 +21,7 @@ registration, autograd, and the typed public function.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -82,6 +83,9 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         a.dtype == b.dtype,
         lambda: f"tgemm::mm: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
     _check(a.device == b.device, lambda: f"tgemm::mm: a is on {a.device} but b is on {b.device}")
+    _check(a.layout == torch.strided and b.layout == torch.strided,
+           lambda: f"tgemm::mm: a and b must be dense (strided) tensors, got {a.layout} and "
+                   f"{b.layout}")
     _check_value(
         activation in ACTIVATIONS,
         lambda: f"tgemm::mm: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
@@ -142,8 +146,12 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-              activation: str) -> None:
-    """Launch the mm kernel writing activation(a @ b + bias) into ``out`` (checked inputs)."""
+              activation: str, traceable: bool = True) -> None:
+    """Launch the mm kernel writing activation(a @ b + bias) into ``out`` (checked inputs).
+
+    ``traceable=False`` launches the Triton kernel directly instead of through ``wrap_triton``,
+    for plain eager calls that nothing traces.
+    """
     error = _device.kernel_device_error(a.device)
     _check(error is None, lambda: f"tgemm::mm: {error}")
     M, K = a.shape
@@ -167,11 +175,35 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     def grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
+    wrap = wrap_triton if traceable else _untraced
     if tuning.autotune_enabled():
-        wrap_triton(_mm_kernel_autotuned)[grid](**args)
+        wrap(_mm_kernel_autotuned)[grid](**args)
     else:
         tile = tuning.heuristic_mm_tile(M, N, K, element_size)
-        wrap_triton(mm_kernel)[grid](**args, **tuning.mm_launch_config(tile))
+        wrap(mm_kernel)[grid](**args, **tuning.mm_launch_config(tile))
+
+
+def _untraced(kernel: Any) -> Any:
+    return kernel
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True for a call no PyTorch subsystem needs to see: no autograd, tracing, compile, modes or
+    tensor subclasses. Such calls skip the dispatcher, whose Python custom-op path costs more
+    host time than a small GEMM takes on the GPU."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
 
 
 # --- registration -------------------------------------------------------------------------------
@@ -255,4 +287,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
+    if _plain_eager(a, b, bias):
+        out = _mm_fake(a, b, bias, activation, out_dtype)
+        launch_mm(a, b, bias, out, activation, traceable=False)
+        return out
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
