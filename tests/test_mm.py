@@ -240,6 +240,12 @@ def test_gradients_match_float64_autograd(device, dtype, activation, highest_fp3
         assert g.dtype == t.dtype and g.shape == t.shape, name
         err = rel_error(g, r)
         assert err <= tolerance(dtype, dtype) * 2, f"grad {name}: rel err {err:.3e}"
+    # The registered op's autograd formula (what torch.compile sees) gives the same gradients.
+    op_out = torch.ops.tgemm.mm(a, b, bias, activation, None)
+    op_grads = torch.autograd.grad(op_out, (a, b, bias), grad_out)
+    assert torch.equal(op_out, out)
+    for g, op_g in zip(grads, op_grads):
+        assert torch.equal(g, op_g)
 
 
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # fp32 on purpose: the op has no fp64

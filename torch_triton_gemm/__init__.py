@@ -4,6 +4,7 @@ Importing the package registers the operators under ``torch.ops.tgemm``.
 """
 
 from .ops.mm import mm
+from .override import override
 
-__all__ = ["mm"]
+__all__ = ["mm", "override"]
 __version__ = "0.1.0"

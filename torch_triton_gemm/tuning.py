@@ -119,6 +119,10 @@ def _prune_mm_configs(configs: list[triton.Config], named_args: dict[str, Any],
     element_size = a.element_size()
     allowed = _tiles_for(element_size)
     smem_limit = _device.shared_memory_per_block(a.device.index or 0)
+    m_bucket, n_bucket, k_bucket = (named_args[k] for k in ("M_BUCKET", "N_BUCKET", "K_BUCKET"))
+    # Under torch.compile with dynamic shapes the sizes are symbolic: comparing them would guard
+    # and recompile per bucket, so only dtype and shared-memory rules apply there.
+    sizes_known = not any(isinstance(x, torch.SymInt) for x in (m_bucket, n_bucket, k_bucket))
     kept = []
     for cfg in configs:
         kw = cfg.kwargs
@@ -126,16 +130,15 @@ def _prune_mm_configs(configs: list[triton.Config], named_args: dict[str, Any],
                           cfg.num_warps, cfg.num_stages)
         if tile not in allowed:
             continue
-        if not _fits_problem(tile, named_args["M_BUCKET"], named_args["N_BUCKET"]):
+        if sizes_known and not _fits_problem(tile, m_bucket, n_bucket):
             continue
-        if tile.block_k > max(32, named_args["K_BUCKET"]):
+        if sizes_known and tile.block_k > max(32, k_bucket):
             continue
         if _shared_memory_bytes(tile, element_size) > smem_limit:
             continue
         kept.append(cfg)
     if not kept:
-        m, n, k = named_args["M_BUCKET"], named_args["N_BUCKET"], named_args["K_BUCKET"]
-        kept = [_as_triton(heuristic_mm_tile(m, n, k, element_size))]
+        kept = [_as_triton(heuristic_mm_tile(m_bucket, n_bucket, k_bucket, element_size))]
     return kept
 
 

@@ -188,20 +188,20 @@ def _untraced(kernel: Any) -> Any:
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
-    """True for a call no PyTorch subsystem needs to see: no autograd, tracing, compile, modes or
-    tensor subclasses. Such calls skip the dispatcher, whose Python custom-op path costs more
-    host time than a small GEMM takes on the GPU."""
+    """True for a call no PyTorch subsystem needs to see as an op: no tracing, compile, modes or
+    tensor subclasses. Such calls skip the dispatcher (autograd still applies, through
+    ``_EagerMM``), whose Python custom-op path costs more host time than a small GEMM takes on
+    the GPU."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
-    grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
             return False
-        if grad and t.requires_grad:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
             return False
     return True
 
@@ -243,7 +243,7 @@ def _activation_grad(ctx, grad_out: torch.Tensor) -> torch.Tensor:  # type: igno
         return torch.ops.aten.threshold_backward(grad_out, out, 0)
     if ctx.activation == "leaky_relu":
         return torch.ops.aten.leaky_relu_backward(grad_out, out, 0.01, True)
-    z = torch.ops.tgemm.mm(a, b, bias, "none", torch.float32)
+    z = mm(a, b, bias, out_dtype=torch.float32)
     if ctx.activation == "gelu":
         return torch.ops.aten.gelu_backward(grad_out.float(), z, approximate="tanh")
     return torch.ops.aten.silu_backward(grad_out.float(), z)
@@ -254,15 +254,28 @@ def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
     grad_z = _activation_grad(ctx, grad_out)
     grad_a = grad_b = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.tgemm.mm(grad_z.to(ctx.b_dtype), b.t(), None, "none", ctx.a_dtype)
+        grad_a = mm(grad_z.to(ctx.b_dtype), b.t(), out_dtype=ctx.a_dtype)
     if ctx.needs_input_grad[1]:
-        grad_b = torch.ops.tgemm.mm(a.t(), grad_z.to(ctx.a_dtype), None, "none", ctx.b_dtype)
+        grad_b = mm(a.t(), grad_z.to(ctx.a_dtype), out_dtype=ctx.b_dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = grad_z.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return grad_a, grad_b, grad_bias, None, None
 
 
 mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerMM(torch.autograd.Function):
+    """The same forward and autograd formulas for plain eager calls, without the dispatcher."""
+
+    @staticmethod
+    def forward(a, b, bias, activation, out_dtype):  # type: ignore[no-untyped-def]
+        out = _mm_fake(a, b, bias, activation, out_dtype)
+        launch_mm(a, b, bias, out, activation, traceable=False)
+        return out
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -288,7 +301,5 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
     if _plain_eager(a, b, bias):
-        out = _mm_fake(a, b, bias, activation, out_dtype)
-        launch_mm(a, b, bias, out, activation, traceable=False)
-        return out
+        return _EagerMM.apply(a, b, bias, activation, out_dtype)
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)

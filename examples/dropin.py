@@ -1,0 +1,204 @@
+"""Training steps of a small Llama-style model with and without ``torch_triton_gemm.override()``.
+
+The model is plain ``torch.nn`` (embedding, RMSNorm, attention with q/k/v/o ``nn.Linear`` and
+``F.scaled_dot_product_attention``, a SwiGLU MLP, an ``lm_head``): nothing in it knows about
+tgemm. Wrapping the step in ``override()`` moves every ``nn.Linear`` (forward and backward) onto
+tgemm::mm.
+
+On a GPU it prints the median step time each way (CUDA events, after warm-up, which includes
+tgemm's autotuning) and the losses. Without a GPU it runs one tiny step each way in Triton's CPU
+interpreter and prints the losses; timings there mean nothing.
+
+    python examples/dropin.py                          # GPU
+    python examples/dropin.py --compile                # GPU, both runs under torch.compile
+    python examples/dropin.py --hidden 64 --layers 2   # CPU (no GPU found): tiny sizes by default
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Without a GPU, tgemm's kernels run in Triton's interpreter, which must be switched on before
+# torch_triton_gemm (and so Triton's kernels) is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch_triton_gemm as tg  # noqa: E402
+from torch_triton_gemm.device import interpreter_enabled  # noqa: E402
+
+# The GPU when tgemm can run there (not under TRITON_INTERPRET=1), else the CPU interpreter.
+GPU = torch.cuda.is_available() and not interpreter_enabled()
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, hidden, bias=False)
+        self.v = nn.Linear(hidden, hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, self.heads, -1).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (the rotate-half form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, intermediate: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.attn = Attention(hidden, heads)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.gate = nn.Linear(hidden, intermediate, bias=False)
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    """Llama-style decoder of plain torch.nn: tokens [batch, seq] -> logits [batch, seq, vocab]."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, intermediate: int,
+                 max_seq: int = 4096) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, intermediate) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden, eps=1e-5)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        head_dim = hidden // heads
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(max_seq).float(), inv_freq).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        x = self.embed(tokens)
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    """Forward, next-token cross-entropy, backward, optimizer step; returns the loss."""
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, steps: int, warmup: int,
+        compile_model: bool) -> tuple[list[float], list[float]]:
+    """Train ``steps`` steps after ``warmup``; return the losses and step times (ms)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_model = torch.compile(model) if compile_model else model
+    losses: list[float] = []
+    times: list[float] = []
+    for i in range(warmup + steps):
+        if tokens.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = train_step(step_model, optimizer, tokens, targets)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            begin = time.perf_counter()
+            loss = train_step(step_model, optimizer, tokens, targets)
+            elapsed = (time.perf_counter() - begin) * 1e3
+        if i >= warmup:
+            losses.append(loss.item())
+            times.append(elapsed)
+    return losses, times
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024 if GPU else 32)
+    parser.add_argument("--heads", type=int, default=8 if GPU else 2)
+    parser.add_argument("--layers", type=int, default=4 if GPU else 1)
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="MLP width (default: 8/3 x hidden, rounded up to a multiple of 64)")
+    parser.add_argument("--vocab", type=int, default=32000 if GPU else 64)
+    parser.add_argument("--seq", type=int, default=1024 if GPU else 8)
+    parser.add_argument("--batch", type=int, default=8 if GPU else 2)
+    parser.add_argument("--steps", type=int, default=20 if GPU else 1)
+    parser.add_argument("--warmup", type=int, default=5 if GPU else 0)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        default="bfloat16" if GPU else "float32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.intermediate is None:
+        args.intermediate = -(-8 * args.hidden // 3 // 64) * 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    """Run the comparison and print it; return the losses of each run (for tests)."""
+    args = parse_args(argv)
+    device = "cuda" if GPU else "cpu"
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    model = TinyLlama(args.vocab, args.hidden, args.heads, args.layers, args.intermediate,
+                      max_seq=args.seq).to(device=device, dtype=dtype)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=device)
+    tokens, targets = tokens[:, :-1], tokens[:, 1:]
+
+    print(f"TinyLlama: hidden {args.hidden}, layers {args.layers}, heads {args.heads}, "
+          f"MLP {args.intermediate}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}, "
+          f"{args.dtype} on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}"
+          f"{', compiled' if args.compile else ''}")
+    # Both runs start from the same weights.
+    plain_model, tgemm_model = model, copy.deepcopy(model)
+    plain = run(plain_model, tokens, targets, args.steps, args.warmup, args.compile)
+    with tg.override() as ov:
+        routed = run(tgemm_model, tokens, targets, args.steps, args.warmup, args.compile)
+
+    for name, (losses, times) in (("PyTorch", plain), ("tgemm override", routed)):
+        print(f"{name:>15}: loss {' '.join(f'{x:.4f}' for x in losses)}")
+        if device == "cuda":
+            print(f"{'':>15}  median step {statistics.median(times):.2f} ms "
+                  f"over {len(times)} steps")
+    if device == "cuda":
+        ratio = statistics.median(plain[1]) / statistics.median(routed[1])
+        print(f"speed-up of the override: {ratio:.2f}x")
+    else:
+        print("(Triton's CPU interpreter: step times mean nothing here; run on a GPU to compare)")
+    print(f"calls routed to tgemm::mm: {ov.counts}"
+          f"{' (compiled code is not counted)' if args.compile else ''}")
+    return {"plain": plain[0], "override": routed[0]}
+
+
+if __name__ == "__main__":
+    main()

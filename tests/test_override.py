@@ -1,0 +1,616 @@
+"""torch_triton_gemm.override: what it routes, what it leaves alone, gradients, scope, compile.
+
+Routing tests run where tgemm can: on a CUDA GPU with compiled Triton, or on CPU when
+TRITON_INTERPRET=1 was set before the package was imported (CI does that). Shapes are tiny there
+because the interpreter is slow. Tests marked ``gpu`` need CUDA and check the H100 story: a
+Hugging Face Llama and Inductor's output code.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import pathlib
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import device as tg_device
+from torch_triton_gemm.override import BMM_LOOP_MAX_BATCH, GemmOverride
+
+
+def _routing_device() -> str | None:
+    if torch.cuda.is_available() and tg_device.kernel_device_error(torch.device("cuda")) is None:
+        return "cuda"
+    if tg_device.interpreter_enabled():
+        return "cpu"
+    return None
+
+
+DEVICE = _routing_device()
+requires_tgemm = pytest.mark.skipif(
+    DEVICE is None,
+    reason="tgemm runs nowhere here: no CUDA GPU, and TRITON_INTERPRET=1 was not set before "
+           "torch_triton_gemm was imported (CPU tensors run only in Triton's interpreter)")
+requires_cuda = pytest.mark.skipif(DEVICE != "cuda",
+                                   reason="needs a CUDA GPU with compiled Triton kernels")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture
+def highest_precision():
+    # fp32 tolerance 1e-5 needs IEEE fp32 products, in aten and in tgemm alike.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, device=device or DEVICE, dtype=dtype, requires_grad=requires_grad)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class TgemmCalls(TorchDispatchMode):
+    """Counts tgemm::mm calls below autograd, so calls made by backward formulas count too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.tgemm.mm.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def routed_counts(**counts: int) -> dict[str, int]:
+    return {"mm": 0, "addmm": 0, "bmm": 0, "fallback": 0, **counts}
+
+
+# --- what is routed: forward against float64 -----------------------------------------------------
+# name -> (family, tgemm calls, function, operand shapes).
+
+def _shared_rhs_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a, b.unsqueeze(0).expand(a.shape[0], -1, -1))
+
+
+ROUTED_CASES: dict[str, tuple[str, int, Callable[..., torch.Tensor], list[tuple[int, ...]]]] = {
+    "F.linear": ("mm", 1, F.linear, [(10, 24), (40, 24)]),
+    "F.linear+bias 3-D": ("addmm", 1, F.linear, [(2, 5, 24), (40, 24), (40,)]),
+    "@ 2-D": ("mm", 1, lambda a, b: a @ b, [(10, 24), (24, 40)]),
+    "@ 3-D x 2-D": ("mm", 1, lambda a, b: a @ b, [(2, 5, 24), (24, 40)]),
+    "@ 3-D x 3-D": ("bmm", 3, lambda a, b: a @ b, [(3, 5, 24), (3, 24, 40)]),
+    "torch.matmul": ("mm", 1, torch.matmul, [(10, 24), (24, 40)]),
+    "Tensor.matmul 4-D x 2-D": ("mm", 1, torch.Tensor.matmul, [(2, 2, 3, 24), (24, 40)]),
+    "__rmatmul__": ("mm", 1, lambda a, b: b.__rmatmul__(a), [(10, 24), (24, 40)]),
+    "torch.mm": ("mm", 1, torch.mm, [(10, 24), (24, 40)]),
+    "Tensor.mm": ("mm", 1, torch.Tensor.mm, [(10, 24), (24, 40)]),
+    "torch.addmm [N]": ("addmm", 1, torch.addmm, [(40,), (10, 24), (24, 40)]),
+    "torch.addmm [1, N]": ("addmm", 1, torch.addmm, [(1, 40), (10, 24), (24, 40)]),
+    "Tensor.addmm beta=alpha=1": (
+        "addmm", 1, lambda c, a, b: c.addmm(a, b, beta=1, alpha=1), [(40,), (10, 24), (24, 40)]),
+    "torch.bmm": ("bmm", 3, torch.bmm, [(3, 5, 24), (3, 24, 40)]),
+    "Tensor.bmm": ("bmm", BMM_LOOP_MAX_BATCH, torch.Tensor.bmm,
+                   [(BMM_LOOP_MAX_BATCH, 5, 24), (BMM_LOOP_MAX_BATCH, 24, 40)]),
+    "bmm batch 1": ("bmm", 1, torch.bmm, [(1, 5, 24), (1, 24, 40)]),
+    "bmm shared rhs, one call": ("bmm", 1, _shared_rhs_bmm, [(12, 5, 24), (24, 40)]),
+    "transposed operands": ("mm", 1, lambda a, b: a.t() @ b.t(), [(24, 10), (40, 24)]),
+}
+
+
+@requires_tgemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ROUTED_CASES)
+def test_routed_forward_matches_float64(case, dtype, highest_precision):
+    family, calls, fn, shapes = ROUTED_CASES[case]
+    operands = [randn(*shape, dtype=dtype) for shape in shapes]
+    ref = fn(*[t.double() for t in operands])
+    plain = fn(*operands)
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = fn(*operands)
+    assert ov.counts == routed_counts(**{family: 1})
+    assert launched.n == calls
+    assert out.dtype == plain.dtype and out.shape == plain.shape
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+@requires_tgemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_nn_linear(bias, dtype, highest_precision):
+    linear = nn.Linear(24, 40, bias=bias, device=DEVICE, dtype=dtype)
+    x = randn(2, 6, 24, dtype=dtype)
+    ref = x.double() @ linear.weight.double().t()
+    if bias:
+        ref = ref + linear.bias.double()
+    with tg.override() as ov:
+        out = linear(x)
+    assert ov.counts == routed_counts(**{"addmm" if bias else "mm": 1})
+    assert out.dtype == dtype and out.shape == (2, 6, 40)
+    assert rel_err(out, ref) <= TOLERANCE[dtype]
+
+
+@requires_tgemm
+def test_autocast_casts_like_aten():
+    linear = nn.Linear(24, 40, device=DEVICE)
+    x = randn(10, 24)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        plain = linear(x)
+        with tg.override() as ov:
+            out = linear(x)
+    assert ov.counts == routed_counts(addmm=1)
+    assert out.dtype == plain.dtype == torch.bfloat16
+    ref = x.bfloat16().double() @ linear.weight.bfloat16().double().t() + linear.bias.bfloat16()
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+# --- gradients ---------------------------------------------------------------------------------
+
+GRAD_CASES = ["F.linear", "F.linear+bias 3-D", "@ 3-D x 2-D", "torch.mm", "torch.addmm [N]",
+              "torch.addmm [1, N]", "torch.bmm", "bmm shared rhs, one call"]
+
+
+@requires_tgemm
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_gradients_match_autograd(case, highest_precision):
+    _, _, fn, shapes = ROUTED_CASES[case]
+    operands = [randn(*shape, requires_grad=True) for shape in shapes]
+    plain = fn(*operands)
+    grad_out = torch.randn_like(plain)
+    expected = torch.autograd.grad(plain, operands, grad_out)
+    with tg.override():
+        out = fn(*operands)
+    with TgemmCalls() as launched:
+        grads = torch.autograd.grad(out, operands, grad_out)
+    assert launched.n > 0, "the backward pass did not run on tgemm::mm"
+    for grad, ref in zip(grads, expected):
+        assert grad.shape == ref.shape
+        assert rel_err(grad, ref) <= TOLERANCE[torch.float32]
+
+
+# --- what falls through ------------------------------------------------------------------------
+
+def _fallthrough_cases() -> dict[str, Callable[[], tuple[Callable[..., torch.Tensor], tuple]]]:
+    # Each makes fresh operands; CPU tensors where the dtype has no CUDA matmul (ints, complex).
+    return {
+        "float64": lambda: (torch.mm, (randn(8, 16, dtype=torch.float64),
+                                       randn(16, 8, dtype=torch.float64))),
+        "int64": lambda: (torch.mm, (torch.randint(-4, 4, (8, 16)),
+                                     torch.randint(-4, 4, (16, 8)))),
+        "complex64": lambda: (torch.matmul, (randn(8, 16, dtype=torch.complex64, device="cpu"),
+                                             randn(16, 8, dtype=torch.complex64, device="cpu"))),
+        "out=": lambda: (lambda a, b, c: torch.mm(a, b, out=c),
+                         (randn(8, 16), randn(16, 8), torch.empty(8, 8, device=DEVICE))),
+        "addmm beta": lambda: (lambda c, a, b: torch.addmm(c, a, b, beta=0.5),
+                               (randn(8), randn(8, 16), randn(16, 8))),
+        "addmm alpha": lambda: (lambda c, a, b: torch.addmm(c, a, b, alpha=2),
+                                (randn(8), randn(8, 16), randn(16, 8))),
+        "addmm [M, N] input": lambda: (torch.addmm, (randn(8, 8), randn(8, 16), randn(16, 8))),
+        "vector @ matrix": lambda: (torch.matmul, (randn(16), randn(16, 8))),
+        "matrix @ vector": lambda: (torch.matmul, (randn(8, 16), randn(16))),
+        "F.linear 1-D input": lambda: (F.linear, (randn(16), randn(8, 16))),
+        "2-D @ 3-D broadcast": lambda: (torch.matmul, (randn(8, 16), randn(2, 16, 8))),
+        "4-D @ 4-D": lambda: (torch.matmul, (randn(2, 2, 8, 16), randn(2, 2, 16, 8))),
+        "bmm batch > loop limit": lambda: (
+            torch.bmm, (randn(BMM_LOOP_MAX_BATCH + 1, 4, 8), randn(BMM_LOOP_MAX_BATCH + 1, 8, 4))),
+        "meta tensors": lambda: (torch.mm, (randn(8, 16, device="meta"),
+                                            randn(16, 8, device="meta"))),
+    }
+
+
+@requires_tgemm
+@pytest.mark.parametrize("case", list(_fallthrough_cases()))
+def test_falls_through_unchanged(case, highest_precision):
+    fn, operands = _fallthrough_cases()[case]()
+    plain = fn(*operands)
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = fn(*operands)
+    assert ov.counts == routed_counts(fallback=1)
+    assert launched.n == 0
+    assert out.dtype == plain.dtype and out.shape == plain.shape
+    if out.device.type != "meta":
+        assert torch.equal(out, plain)
+
+
+@requires_tgemm
+def test_mixed_dtypes_fall_through_to_aten_error():
+    a, b = randn(8, 16), randn(16, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError) as plain_error:
+        torch.mm(a, b)
+    with tg.override() as ov, pytest.raises(RuntimeError) as routed_error:
+        torch.mm(a, b)
+    assert str(routed_error.value) == str(plain_error.value)
+    assert ov.counts == routed_counts(fallback=1)
+
+
+@requires_tgemm
+def test_min_size():
+    a, b = randn(8, 16), randn(16, 4)  # M * N * K = 512
+    with tg.override(min_size=513) as ov:
+        a @ b
+    assert ov.counts == routed_counts(fallback=1)
+    with tg.override(min_size=512) as ov:
+        a @ b
+    assert ov.counts == routed_counts(mm=1)
+
+
+@requires_tgemm
+def test_ops_selects_families():
+    linear = nn.Linear(16, 8, device=DEVICE)
+    x, a3, b3 = randn(4, 16), randn(2, 4, 16), randn(2, 16, 8)
+    with tg.override(ops=("addmm",)) as ov:
+        linear(x), x @ linear.weight.t(), torch.bmm(a3, b3)
+    assert ov.counts == routed_counts(addmm=1, fallback=2)
+    with tg.override(ops="bmm") as ov:
+        linear(x), x @ linear.weight.t(), torch.bmm(a3, b3)
+    assert ov.counts == routed_counts(bmm=1, fallback=2)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="unknown ops"):
+        tg.override(ops=("mm", "conv"))
+    with pytest.raises(ValueError, match="min_size"):
+        tg.override(min_size=-1)
+    ov = tg.override(ops="mm", min_size=4096)
+    assert isinstance(ov, GemmOverride) and ov.ops == {"mm"}
+    assert repr(ov) == "override(ops=('mm',), min_size=4096, log=False)"
+
+
+@requires_tgemm
+def test_log(caplog):
+    a, b = randn(8, 16), randn(16, 8)
+    with caplog.at_level(logging.DEBUG, logger="torch_triton_gemm.override"):
+        with tg.override(log=True):
+            a @ b
+            a.double() @ b.double()
+        with tg.override():
+            a @ b
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert messages == [
+        (logging.DEBUG, "Tensor.matmul([8, 16] torch.float32, [16, 8] torch.float32) -> "
+                        "tgemm::mm [mm]"),
+        (logging.INFO, "Tensor.matmul([8, 16] torch.float64, [16, 8] torch.float64) stays with "
+                       "PyTorch: dtype is not float16, bfloat16 or float32"),
+    ]
+
+
+# --- scope: exceptions, nesting, decorator, threads ----------------------------------------------
+
+@requires_tgemm
+def test_exception_in_body_restores():
+    a, b = randn(8, 16), randn(16, 8)
+    ov = tg.override()
+    with pytest.raises(KeyError):
+        with ov:
+            a @ b
+            raise KeyError("boom")
+    assert torch._C._len_torch_function_stack() == 0
+    a @ b
+    assert ov.counts == routed_counts(mm=1)
+
+
+@requires_tgemm
+def test_nesting_inner_settings_win():
+    linear = nn.Linear(16, 8, device=DEVICE)
+    x = randn(4, 16)
+    with tg.override() as outer:
+        with tg.override(ops=("mm",)) as inner:
+            linear(x)  # addmm: the inner override declines it, so the outer must not route it
+            x @ linear.weight.t()
+        assert inner.counts == routed_counts(mm=1, fallback=1)
+        assert outer.counts == routed_counts()
+        linear(x)
+    assert outer.counts == routed_counts(addmm=1)
+
+    with tg.override(min_size=10**9) as outer:
+        with tg.override() as inner:
+            linear(x)
+        linear(x)
+    assert inner.counts == routed_counts(addmm=1)
+    assert outer.counts == routed_counts(fallback=1)
+
+
+@requires_tgemm
+def test_reentering_and_self_nesting():
+    a, b = randn(8, 16), randn(16, 8)
+    ov = tg.override()
+    with ov:
+        a @ b
+    a @ b
+    with ov:
+        with ov:
+            a @ b
+        a @ b
+    assert torch._C._len_torch_function_stack() == 0
+    assert ov.counts == routed_counts(mm=3)
+
+
+@requires_tgemm
+def test_decorator():
+    ov = tg.override(ops=("mm",))
+
+    @ov
+    def product(a: torch.Tensor, b: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        assert torch._C._len_torch_function_stack() == depth + 1
+        return a @ b if depth == 1 else product(a, b, depth + 1)
+
+    a, b = randn(8, 16), randn(16, 8)
+    out = product(a, b)
+    assert torch._C._len_torch_function_stack() == 0
+    assert ov.counts == routed_counts(mm=1)
+    assert torch.equal(out, tg.mm(a, b))
+    product(a, b)
+    assert ov.counts == routed_counts(mm=2)
+
+
+@requires_tgemm
+def test_override_is_per_thread():
+    a, b = randn(8, 16), randn(16, 8)
+    seen = {}
+
+    def other_thread() -> None:
+        seen["modes"] = torch._C._len_torch_function_stack()
+        with TgemmCalls() as launched:
+            seen["out"] = a @ b
+        seen["launched"] = launched.n
+
+    with tg.override() as ov:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert ov.counts == routed_counts()
+        a @ b
+    assert seen == {"modes": 0, "out": seen["out"], "launched": 0}
+    assert ov.counts == routed_counts(mm=1)
+
+
+# --- torch.compile -----------------------------------------------------------------------------
+
+@requires_tgemm
+def test_compile_graph_follows_the_context(highest_precision, fresh_dynamo):
+    graphs: list[torch.fx.GraphModule] = []
+    ran: list[int] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        index = len(graphs)
+        graphs.append(gm)
+
+        def run(*args):
+            ran.append(index)
+            return gm.forward(*args)
+
+        return run
+
+    linear = nn.Linear(24, 16, device=DEVICE)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return linear(x).relu() @ y
+
+    compiled = torch.compile(fn, backend=recording_backend, fullgraph=True)
+    x, y = randn(6, 24), randn(16, 8)
+    expected = fn(x, y)
+
+    with tg.override():
+        inside = compiled(x, y)
+    outside = compiled(x, y)
+    with tg.override():
+        inside_again = compiled(x, y)
+    assert ran == [0, 1, 0], "the graph compiled inside the context must not run outside it"
+    assert graphs[0].code.count("tgemm.mm") == 2
+    assert "tgemm" not in graphs[1].code
+    for out in (inside, outside, inside_again):
+        assert rel_err(out, expected) <= TOLERANCE[torch.float32]
+
+    # Other settings are other guards: only the linear (addmm) is routed now.
+    with tg.override(ops=("addmm",)):
+        compiled(x, y)
+    assert ran[-1] == 2 and graphs[2].code.count("tgemm.mm") == 1
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 32)
+        self.down = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.up(x))
+        return self.down(h) + (h @ h.transpose(1, 2)).mean()  # bmm: a loop of 2
+
+
+@requires_tgemm
+def test_compile_aot_eager_forward_backward(highest_precision, fresh_dynamo):
+    model = _TwoLayers().to(DEVICE)
+    x = randn(2, 5, 24, requires_grad=True)
+    grad_out = torch.randn(2, 5, 16, device=DEVICE)
+
+    def forward_backward(module: nn.Module) -> list[torch.Tensor]:
+        out = module(x)
+        return [out, *torch.autograd.grad(out, [x, *model.parameters()], grad_out)]
+
+    expected = forward_backward(model)
+    with tg.override():
+        got = forward_backward(torch.compile(model, backend="aot_eager", fullgraph=True))
+    for out, ref in zip(got, expected):
+        assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+def test_compile_backward_graph_uses_tgemm(fresh_dynamo):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs: dict[str, str] = {}
+
+    def recorder(kind: str) -> Callable:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            graphs[kind] = gm.code
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def tgemm_calls(code: str) -> int:
+        # Under the interpreter tgemm::mm is an opaque op; with compiled Triton AOTAutograd traces
+        # into it, and each launch appears as a functional Triton kernel wrapper.
+        return code.count("tgemm.mm") + code.count("triton_kernel_wrapper_functional(")
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    model = _TwoLayers().to(DEVICE)
+    x = randn(2, 5, 24, requires_grad=True)
+    with tg.override():
+        torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    assert tgemm_calls(graphs["forward"]) == 4
+    assert tgemm_calls(graphs["backward"]) > 0
+    for code in graphs.values():
+        assert "aten.mm" not in code and "aten.addmm" not in code and "aten.bmm" not in code
+
+
+# --- a Llama-style model from plain torch.nn ------------------------------------------------------
+
+def _load_dropin_example():
+    # The example's TinyLlama is the model under test, so the example is tested as well.
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dropin.py"
+    spec = importlib.util.spec_from_file_location("dropin_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@requires_tgemm
+def test_llama_like_model_fp32(highest_precision):
+    dropin = _load_dropin_example()
+    model = dropin.TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=64,
+                             max_seq=8).to(DEVICE)
+    routed_model = copy.deepcopy(model)
+    tokens = torch.randint(64, (2, 9), device=DEVICE)
+
+    def loss_and_grads(module: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = module(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in module.named_parameters()}
+
+    loss, grads = loss_and_grads(model)
+    with tg.override() as ov, TgemmCalls() as launched:
+        routed_loss, routed_grads = loss_and_grads(routed_model)
+
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert ov.counts == routed_counts(mm=linears)
+    assert launched.n == 3 * linears  # forward, then grad of input and of weight
+    assert rel_err(routed_loss, loss) <= TOLERANCE[torch.float32]
+    assert routed_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert rel_err(routed_grads[name], grad) <= TOLERANCE[torch.float32], name
+
+
+@requires_tgemm
+def test_dropin_example_runs(capsys):
+    dropin = _load_dropin_example()
+    tiny = ["--hidden", "32", "--heads", "2", "--layers", "1", "--vocab", "64", "--seq", "8",
+            "--batch", "2", "--steps", "2", "--warmup", "0", "--dtype", "float32"]
+    losses = dropin.main(tiny)
+    assert len(losses["override"]) == 2
+    for routed, plain in zip(losses["override"], losses["plain"]):
+        assert abs(routed - plain) <= 1e-3 * abs(plain)
+    assert "calls routed to tgemm::mm" in capsys.readouterr().out
+
+
+# --- GPU: a Hugging Face Llama, profiler and Inductor's code --------------------------------------
+
+# Substrings of cuBLAS / cuBLASLt GEMM kernel names (Hopper's nvjet and sm90_xmma among them).
+CUBLAS_MARKERS = ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")
+# SDPA's flash / memory-efficient kernels are CUTLASS-based and named so; they are not GEMM calls.
+ATTENTION_MARKERS = ("flash", "fmha", "attention")
+
+
+def _cuda_kernels(fn: Callable[[], object]) -> set[str]:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _cublas_gemms(kernels: set[str]) -> list[str]:
+    return sorted(k for k in kernels
+                  if any(m in k.lower() for m in CUBLAS_MARKERS)
+                  and not any(m in k.lower() for m in ATTENTION_MARKERS))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_hf_llama_bf16_gpu(compiled, fresh_dynamo):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=512, vocab_size=1000, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    routed_model = copy.deepcopy(model)
+    ids = torch.randint(config.vocab_size, (2, 64), device="cuda")
+
+    def step(module: nn.Module) -> None:
+        module.zero_grad(set_to_none=True)
+        module(input_ids=ids, labels=ids).loss.backward()
+
+    def results(module: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            loss = module(input_ids=ids, labels=ids).loss
+        return loss, {n: p.grad for n, p in module.named_parameters()}
+
+    plain_step = torch.compile(model) if compiled else model
+    routed_step = torch.compile(routed_model) if compiled else routed_model
+    step(plain_step)  # warm-up: compilation, cuBLAS handles
+    plain_kernels = _cuda_kernels(lambda: step(plain_step))
+    with tg.override():
+        step(routed_step)  # warm-up: compilation, tgemm autotuning
+        routed_kernels = _cuda_kernels(lambda: step(routed_step))
+        routed_loss, routed_grads = results(routed_step)
+    loss, grads = results(plain_step)
+
+    assert _cublas_gemms(plain_kernels), f"no cuBLAS GEMM seen in the plain run: {plain_kernels}"
+    assert not _cublas_gemms(routed_kernels), _cublas_gemms(routed_kernels)
+    assert any("mm_kernel" in k for k in routed_kernels)
+    assert rel_err(routed_loss, loss) <= 2e-2
+    for name, grad in grads.items():
+        assert rel_err(routed_grads[name], grad) <= 2e-2, name
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_inductor_code_uses_tgemm_gpu(fresh_dynamo):
+    from torch._inductor.utils import run_and_get_code
+
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256, bias=False))
+    model = model.to("cuda", torch.bfloat16)
+    compiled = torch.compile(model)
+    x = randn(64, 256, dtype=torch.bfloat16, device="cuda")
+    with tg.override():
+        inside, inside_code = run_and_get_code(compiled, x)
+    outside, outside_code = run_and_get_code(compiled, x)
+    inside_code, outside_code = "\n".join(inside_code), "\n".join(outside_code)
+    assert "mm_kernel" in inside_code
+    assert "extern_kernels.mm" not in inside_code and "extern_kernels.addmm" not in inside_code
+    assert "mm_kernel" not in outside_code
+    assert "extern_kernels.mm" in outside_code or "extern_kernels.addmm" in outside_code
+    assert rel_err(inside, outside) <= TOLERANCE[torch.bfloat16]

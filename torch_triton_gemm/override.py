@@ -1,0 +1,395 @@
+"""Drop-in override: PyTorch's matrix products run on tgemm::mm inside a context.
+
+``with torch_triton_gemm.override():`` sends the matmul entry points that models call —
+``nn.Linear`` / ``F.linear``, ``torch.mm``, ``torch.addmm``, ``torch.matmul`` / ``@`` and
+``torch.bmm``, as functions and as Tensor methods — to ``torch.ops.tgemm.mm``. A call that the op
+cannot serve exactly (dtype, device, broadcasting form, ``out=``, below ``min_size``) falls
+through to PyTorch unchanged.
+
+How: the override is a ``TorchFunctionMode``, so it sees calls at the Python API, above autograd.
+A routed call becomes tgemm::mm calls, whose autograd formula is tgemm::mm again, so the backward
+pass runs on tgemm too. torch.compile traces through the mode (Dynamo inlines
+``__torch_function__`` and guards on the mode stack), so graphs compiled inside the context hold
+tgemm ops and graphs compiled outside do not.
+
+This module reads top to bottom: operand checks, one planner per entry point (a plan to route the
+call, or the reason it stays with PyTorch), the mode, and the public function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import device as _device
+from .ops.mm import mm as _tgemm
+
+FAMILIES = ("mm", "addmm", "bmm")
+
+_LOG = logging.getLogger("torch_triton_gemm.override")
+
+# fp8 is left out on purpose: PyTorch's matmuls reject it, and routing must not change what works.
+_ROUTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Device types whose tensors tgemm can run on in this process. kernel_device_error depends only on
+# the device type and TRITON_INTERPRET, which is fixed once the package is imported; deciding here
+# keeps os.environ out of every call and out of what Dynamo traces.
+_KERNEL_DEVICE_TYPES = frozenset(
+    kind for kind in ("cuda", "cpu") if _device.kernel_device_error(torch.device(kind)) is None)
+
+# Tensor subclasses with their own __torch_function__ (DTensor, quantized weights) keep their
+# semantics: only plain tensors and parameters are routed.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+# bmm on the current 2-D op costs one launch per batch entry, so only short batches are looped;
+# larger ones stay with PyTorch until a grouped tgemm op takes them over.
+BMM_LOOP_MAX_BATCH = 8
+
+
+# --- operand checks -----------------------------------------------------------------------------
+
+def _compute_dtype(*tensors: object) -> torch.dtype | str:
+    """The dtype tgemm computes these operands in, or why the call stays with PyTorch."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return "an operand is not a tensor"
+        if type(t) not in _PLAIN_TENSOR_TYPES:
+            return "an operand is a tensor subclass"
+    first = tensors[0]
+    if first.device.type not in _KERNEL_DEVICE_TYPES:
+        return "tgemm does not run on this device"
+    for t in tensors:
+        if t.device != first.device:
+            return "operands are on different devices"
+        if t.dtype not in _ROUTABLE_DTYPES:
+            return "dtype is not float16, bfloat16 or float32"
+    if torch.is_autocast_enabled(first.device.type):
+        # aten casts matmul operands to the autocast dtype; tgemm::mm has no autocast rule, so
+        # the planners cast the same way.
+        return torch.get_autocast_dtype(first.device.type)
+    for t in tensors:
+        if t.dtype != first.dtype:
+            return "operands have different dtypes"
+    return first.dtype
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+# --- planners: route a call, or say why not ------------------------------------------------------
+
+class _Plan(NamedTuple):
+    family: str  # the ``ops`` name that must be selected: "mm", "addmm" or "bmm"
+    size: int  # multiply-adds, M * N * K (times the batch), compared with ``min_size``
+    run: Callable[[], torch.Tensor]
+
+
+def _bind(args: tuple, kwargs: dict, names: tuple[str, ...],
+          keywords: tuple[str, ...] = ()) -> dict[str, Any] | str:
+    """Name the arguments as the PyTorch signature does, or say why the call is left alone."""
+    if len(args) > len(names):
+        return "unexpected positional arguments"
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key == "out" and value is None:
+            continue
+        if key in bound or (key not in names and key not in keywords):
+            return f"keyword argument {key}= is not handled"
+        bound[key] = value
+    return bound
+
+
+def _matrix_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> _Plan:
+    m, k = a.shape
+    n = b.shape[1]
+    return _Plan(family, m * n * k,
+                 lambda: _tgemm(_cast(a, dtype), _cast(b, dtype), _cast(bias, dtype)))
+
+
+def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype, b_is_weight: bool = False) -> _Plan:
+    """[..., K] @ [K, N]: fold the leading dims into M, multiply once, unfold.
+
+    With ``b_is_weight`` b is an nn.Linear weight [N, K], used as the view ``b.t()``.
+    """
+    lead = a.shape[:-1]
+    m, k = math.prod(lead), a.shape[-1]
+    n = b.shape[0] if b_is_weight else b.shape[1]
+
+    def run() -> torch.Tensor:
+        b_kn = _cast(b, dtype).t() if b_is_weight else _cast(b, dtype)
+        out = _tgemm(_cast(a, dtype).reshape(m, k), b_kn, _cast(bias, dtype))
+        return out.reshape(*lead, n)
+
+    return _Plan(family, m * n * k, run)
+
+
+def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan | str:
+    """[B, M, K] @ [B, K, N] as one tgemm call when b is shared, else a short loop."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if batch == 0:
+        return "empty batch"
+    if batch == 1 or b.stride(0) == 0:
+        # One B matrix for the whole batch (a single matrix or an expand()ed one): the batch
+        # folds into M and a single launch does it all.
+        return _Plan("bmm", batch * m * n * k,
+                     lambda: _tgemm(_cast(a, dtype).reshape(batch * m, k),
+                                    _cast(b[0], dtype)).reshape(batch, m, n))
+    if batch > BMM_LOOP_MAX_BATCH:
+        return "batch too large for a loop of tgemm::mm (left to cuBLAS until a grouped op)"
+    return _Plan("bmm", batch * m * n * k,
+                 lambda: torch.stack([_tgemm(_cast(a[i], dtype), _cast(b[i], dtype))
+                                      for i in range(batch)]))
+
+
+def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "weight", "bias"))
+    if isinstance(bound, str):
+        return bound
+    x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+    dtype = _compute_dtype(x, weight) if bias is None else _compute_dtype(x, weight, bias)
+    if isinstance(dtype, str):
+        return dtype
+    if x.dim() < 2 or weight.dim() != 2:
+        return "1-D input or weight not 2-D"
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        return "sizes do not match (PyTorch raises)"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        return "bias is not of shape [N]"
+    return _folded_plan("mm" if bias is None else "addmm", x, weight, bias, dtype,
+                        b_is_weight=True)
+
+
+def _plan_mm(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "mat2"))
+    if isinstance(bound, str):
+        return bound
+    a, b = bound.get("input"), bound.get("mat2")
+    dtype = _compute_dtype(a, b)
+    if isinstance(dtype, str):
+        return dtype
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return "not [M, K] @ [K, N] (PyTorch raises)"
+    return _matrix_plan("mm", a, b, None, dtype)
+
+
+def _plan_addmm(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "mat1", "mat2"), keywords=("beta", "alpha"))
+    if isinstance(bound, str):
+        return bound
+    if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
+        return "beta or alpha is not 1"
+    bias, a, b = bound.get("input"), bound.get("mat1"), bound.get("mat2")
+    dtype = _compute_dtype(a, b, bias)
+    if isinstance(dtype, str):
+        return dtype
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        return "not [M, K] @ [K, N] (PyTorch raises)"
+    n = b.shape[1]
+    # tgemm's epilogue adds a bias per output column: input of shape [N] or [1, N].
+    if bias.dim() == 2 and bias.shape[0] == 1:
+        bias = bias.reshape(bias.shape[1])
+    if bias.dim() != 1 or bias.shape[0] != n:
+        return "input broadcasts other than as a row of N"
+    return _matrix_plan("addmm", a, b, bias, dtype)
+
+
+def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "other"))
+    if isinstance(bound, str):
+        return bound
+    a, b = bound.get("input"), bound.get("other")
+    dtype = _compute_dtype(a, b)
+    if isinstance(dtype, str):
+        return dtype
+    if b.dim() == 2 and a.dim() >= 2 and a.shape[-1] == b.shape[0]:
+        return _folded_plan("mm", a, b, None, dtype)
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]:
+        return _batched_plan(a, b, dtype)
+    return "1-D operand or broadcast batch form"
+
+
+def _plan_rmatmul(args: tuple, kwargs: dict) -> _Plan | str:
+    # Tensor.__rmatmul__(self, other) computes other @ self.
+    if len(args) != 2 or kwargs:
+        return "unexpected arguments"
+    return _plan_matmul((args[1], args[0]), {})
+
+
+def _plan_bmm(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "mat2"))
+    if isinstance(bound, str):
+        return bound
+    a, b = bound.get("input"), bound.get("mat2")
+    dtype = _compute_dtype(a, b)
+    if isinstance(dtype, str):
+        return dtype
+    if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
+            or a.shape[2] != b.shape[1]):
+        return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
+    return _batched_plan(a, b, dtype)
+
+
+# Entry point -> (name for the log, planner). ``a @ b`` arrives as Tensor.matmul; __matmul__ is
+# listed too for the Python versions that pass the operator itself.
+_ENTRY_POINTS: dict[Callable, tuple[str, Callable[[tuple, dict], _Plan | str]]] = {
+    torch.nn.functional.linear: ("linear", _plan_linear),
+    torch.mm: ("mm", _plan_mm),
+    torch.Tensor.mm: ("Tensor.mm", _plan_mm),
+    torch.addmm: ("addmm", _plan_addmm),
+    torch.Tensor.addmm: ("Tensor.addmm", _plan_addmm),
+    torch.matmul: ("matmul", _plan_matmul),
+    torch.Tensor.matmul: ("Tensor.matmul", _plan_matmul),
+    torch.Tensor.__matmul__: ("@", _plan_matmul),
+    torch.Tensor.__rmatmul__: ("@ (reflected)", _plan_rmatmul),
+    torch.bmm: ("bmm", _plan_bmm),
+    torch.Tensor.bmm: ("Tensor.bmm", _plan_bmm),
+}
+
+
+def _describe(args: tuple) -> str:
+    return ", ".join(f"{list(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a)
+                     for a in args)
+
+
+# --- the mode -----------------------------------------------------------------------------------
+
+class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
+    """A TorchFunctionMode that routes matrix products to tgemm::mm; made by :func:`override`.
+
+    ``__enter__`` and ``__exit__`` are TorchFunctionMode's own: Dynamo supports modes that keep
+    them, also across graph breaks inside the context.
+    """
+
+    def __init__(self, ops: frozenset[str], min_size: int, log: bool) -> None:
+        super().__init__()
+        self.ops = ops
+        self.min_size = min_size
+        self.log = log
+        self.counts: dict[str, int] = dict.fromkeys((*FAMILIES, "fallback"), 0)
+
+    def __repr__(self) -> str:
+        return (f"override(ops={tuple(f for f in FAMILIES if f in self.ops)}, "
+                f"min_size={self.min_size}, log={self.log})")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        entry = _ENTRY_POINTS.get(func)
+        if entry is None:
+            return func(*args, **kwargs)
+        name, planner = entry
+        plan = planner(args, kwargs)
+        if not isinstance(plan, str):
+            if plan.family not in self.ops:
+                plan = f"'{plan.family}' is not in ops"
+            elif self.min_size and plan.size < self.min_size:
+                plan = "M * N * K is below min_size"
+        # Under torch.compile this body runs once, when Dynamo traces; counting or logging there
+        # would be recorded as side effects to replay, so compiled calls go uncounted.
+        traced = torch.compiler.is_compiling()
+        if isinstance(plan, str):
+            if not traced:
+                self.counts["fallback"] += 1
+                if self.log:
+                    _LOG.info("%s(%s) stays with PyTorch: %s", name, _describe(args), plan)
+            return _call_past_overrides(func, args, kwargs)
+        if not traced:
+            self.counts[plan.family] += 1
+            if self.log:
+                _LOG.debug("%s(%s) -> tgemm::mm [%s]", name, _describe(args), plan.family)
+        return plan.run()
+
+
+def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Call ``func`` with every GemmOverride lifted off the mode stack, other modes kept in order.
+
+    An override that declines a call has the last word: an outer override must not route what
+    an inner one (with, say, a smaller ``ops``) left alone.
+    """
+    depth = torch._C._len_torch_function_stack()
+    modes = [torch._C._get_function_stack_at(i) for i in range(depth)]
+    if not any(isinstance(mode, GemmOverride) for mode in modes):
+        return func(*args, **kwargs)
+    kept = [mode for mode in modes if not isinstance(mode, GemmOverride)]
+    for _ in modes:
+        torch._C._pop_torch_function_stack()
+    for mode in kept:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for _ in kept:
+            torch._C._pop_torch_function_stack()
+        for mode in modes:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False) -> GemmOverride:
+    """Run PyTorch's matrix products on tgemm::mm inside a ``with`` block or decorated function.
+
+    Routed entry points (function and Tensor-method forms):
+
+    - ``"mm"``: ``torch.mm``, ``F.linear`` / ``nn.Linear`` without bias, ``torch.matmul`` and
+      ``@`` for [M, K] @ [K, N] and [..., K] @ [K, N] (leading dims folded into M).
+    - ``"addmm"``: ``torch.addmm`` with beta = alpha = 1 and an input of shape [N] or [1, N], and
+      ``F.linear`` / ``nn.Linear`` with bias; the bias add runs in tgemm's epilogue.
+    - ``"bmm"``: ``torch.bmm`` and ``torch.matmul`` / ``@`` for [B, M, K] @ [B, K, N]. One tgemm
+      call when B is 1 or the right operand is shared across the batch (an ``expand``), else one
+      call per batch entry for B <= 8; larger batches stay with PyTorch until a grouped tgemm op
+      takes them over.
+
+    Everything else falls through to PyTorch unchanged: tensors tgemm cannot run on (CUDA, or
+    CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``,
+    beta or alpha other than 1, 1-D operands, broadcast batch forms, tensor subclasses, and
+    products with M * N * K (times the batch) below ``min_size``. Under ``torch.autocast`` the
+    operands are cast to the autocast dtype, as aten does. Gradients of routed calls are computed
+    by tgemm::mm as well.
+
+    The override is a ``TorchFunctionMode``, and mode stacks are thread-local: only the thread
+    that entered it is routed; other threads' matmuls run as usual. Nested overrides: the
+    innermost decides, and a call it leaves to PyTorch is not routed by an outer one. Leaving the
+    block restores normal behaviour, also when the body raises; an override object may be
+    entered again and nested in itself.
+
+    ``torch.compile`` traces through the override: functions compiled inside it get tgemm ops in
+    their graph, and Dynamo's guard on the mode stack recompiles them when called outside.
+
+    Args:
+        ops: the families to route, a subset of ``("mm", "addmm", "bmm")``.
+        min_size: products with fewer multiply-adds (M * N * K) stay with PyTorch.
+        log: log each decision on the ``torch_triton_gemm.override`` logger: routed calls at
+            DEBUG, calls left to PyTorch (with the reason) at INFO.
+
+    Returns:
+        A context manager and decorator. Its ``counts`` dict gives the routed calls per family
+        and the calls left to PyTorch under ``"fallback"``; calls inside compiled code are decided
+        once when Dynamo traces them and are not counted or logged.
+
+    Example:
+        >>> import torch, torch_triton_gemm as tg
+        >>> model = torch.nn.Linear(128, 256, device="cuda", dtype=torch.bfloat16)
+        >>> x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        >>> with tg.override() as ov:
+        ...     y = model(x)                  # tgemm::mm with the bias in its epilogue
+        >>> ov.counts["addmm"]
+        1
+    """
+    selected = (ops,) if isinstance(ops, str) else tuple(ops)
+    unknown = [name for name in selected if name not in FAMILIES]
+    if unknown:
+        raise ValueError(f"override: unknown ops {unknown}; choose from {FAMILIES}")
+    if min_size < 0:
+        raise ValueError(f"override: min_size must be >= 0, got {min_size}")
+    return GemmOverride(frozenset(selected), int(min_size), bool(log))
