@@ -189,8 +189,20 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.to(ref.dtype) - ref).norm() / ref.norm()).item()
 
 
+def time_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int, cuda_graph: bool) -> float:
+    """Median time of ``fn`` in ms: eager launches, or replays of a captured CUDA graph.
+
+    Eager timing includes each library's host-side launch cost, which decides small GEMMs in
+    eager PyTorch; graph replay removes it and compares the GPU kernels alone (what
+    ``torch.compile(mode="reduce-overhead")`` and CUDA-graph serving see).
+    """
+    if cuda_graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
 def measure_case(case: Case, dtype_name: str, warmup_ms: int, rep_ms: int,
-                 device: torch.device) -> Result:
+                 device: torch.device, cuda_graph: bool = False) -> Result:
     """Time tgemm and torch.mm on the same fresh operands and check tgemm's accuracy."""
     dtype = DTYPES[dtype_name]
     a, b = make_operands(case, dtype, device)
@@ -210,15 +222,15 @@ def measure_case(case: Case, dtype_name: str, warmup_ms: int, rep_ms: int,
         rel_err, err_vs = relative_error(out, peer.float()), "torch"
     del out, peer
 
-    tgemm_ms = do_bench(lambda: tg.mm(a, b), warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    torch_ms = do_bench(lambda: torch.mm(a, b), warmup=warmup_ms, rep=rep_ms,
-                        return_mode="median")
-    return Result(case, dtype_name, float(tgemm_ms), float(torch_ms), rel_err, err_vs,
+    tgemm_ms = time_ms(lambda: tg.mm(a, b), warmup_ms, rep_ms, cuda_graph)
+    torch_ms = time_ms(lambda: torch.mm(a, b), warmup_ms, rep_ms, cuda_graph)
+    return Result(case, dtype_name, tgemm_ms, torch_ms, rel_err, err_vs,
                   first_call_s)
 
 
 def run_gemm_suites(cases: Sequence[Case], dtype_names: Sequence[str], warmup_ms: int,
-                    rep_ms: int, device: torch.device) -> list[Result]:
+                    rep_ms: int, device: torch.device,
+                    cuda_graph: bool = False) -> list[Result]:
     """Measure every (dtype, case) pair, reporting progress on stderr."""
     results: list[Result] = []
     total = len(cases) * len(dtype_names)
@@ -230,7 +242,7 @@ def run_gemm_suites(cases: Sequence[Case], dtype_names: Sequence[str], warmup_ms
                   end=" ", file=sys.stderr, flush=True)
             start = time.perf_counter()
             try:
-                result = measure_case(case, dtype_name, warmup_ms, rep_ms, device)
+                result = measure_case(case, dtype_name, warmup_ms, rep_ms, device, cuda_graph)
             except torch.cuda.OutOfMemoryError:
                 # One oversized shape should not throw away the rows measured so far.
                 print("out of GPU memory; skipped", file=sys.stderr, flush=True)
@@ -627,6 +639,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="do_bench warm-up time per measurement, ms (default: 25)")
     parser.add_argument("--rep", type=_positive_int, default=100,
                         help="do_bench measurement time per measurement, ms (default: 100)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time replays of captured CUDA graphs (kernels without host "
+                             "launch cost) instead of eager calls")
     parser.add_argument("--csv", metavar="PATH", help="write every row to a CSV file")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG bar chart of TFLOP/s per shape (needs matplotlib)")
@@ -678,10 +693,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_NO_MATPLOTLIB, file=sys.stderr)
 
     print(_header_line(device))
-    print(f"# do_bench median, warmup {args.warmup} ms, rep {args.rep} ms; a row-major [M, K], "
+    timing = ("CUDA-graph replay (do_bench_cudagraph)" if args.cuda_graph
+              else f"eager calls (do_bench, warmup {args.warmup} ms)")
+    print(f"# median of {timing}, rep {args.rep} ms; a row-major [M, K], "
           "b = W.t() with W [N, K] unless the name says otherwise")
     torch.manual_seed(0)
-    results = run_gemm_suites(cases, args.dtypes, args.warmup, args.rep, device)
+    results = run_gemm_suites(cases, args.dtypes, args.warmup, args.rep, device,
+                              args.cuda_graph)
     if results:
         print()
         print(results_table(results))
