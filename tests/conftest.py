@@ -27,6 +27,15 @@ def device() -> str:
     return kernel_device()
 
 
+@pytest.fixture
+def highest_fp32():
+    """IEEE fp32 products (no tf32) in aten and tgemm alike, for fp32's 1e-5 budget."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request: pytest.FixtureRequest) -> int:
     """Draw fresh random inputs in every test, and say which seed a failure used."""

@@ -46,15 +46,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 @pytest.fixture
-def highest_precision():
-    # fp32 tolerance 1e-5 needs IEEE fp32 products, in aten and in tgemm alike.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
-
-
-@pytest.fixture
 def fresh_dynamo():
     torch._dynamo.reset()
     yield
@@ -122,7 +113,7 @@ ROUTED_CASES: dict[str, tuple[str, int, Callable[..., torch.Tensor], list[tuple[
 @requires_tgemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ROUTED_CASES)
-def test_routed_forward_matches_float64(case, dtype, highest_precision):
+def test_routed_forward_matches_float64(case, dtype, highest_fp32):
     family, calls, fn, shapes = ROUTED_CASES[case]
     operands = [randn(*shape, dtype=dtype) for shape in shapes]
     ref = fn(*[t.double() for t in operands])
@@ -138,7 +129,7 @@ def test_routed_forward_matches_float64(case, dtype, highest_precision):
 @requires_tgemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-def test_nn_linear(bias, dtype, highest_precision):
+def test_nn_linear(bias, dtype, highest_fp32):
     linear = nn.Linear(24, 40, bias=bias, device=DEVICE, dtype=dtype)
     x = randn(2, 6, 24, dtype=dtype)
     ref = x.double() @ linear.weight.double().t()
@@ -173,7 +164,7 @@ GRAD_CASES = ["F.linear", "F.linear+bias 3-D", "@ 3-D x 2-D", "torch.mm", "torch
 
 @requires_tgemm
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_gradients_match_autograd(case, highest_precision):
+def test_gradients_match_autograd(case, highest_fp32):
     _, _, fn, shapes = ROUTED_CASES[case]
     operands = [randn(*shape, requires_grad=True) for shape in shapes]
     plain = fn(*operands)
@@ -221,7 +212,7 @@ def _fallthrough_cases() -> dict[str, Callable[[], tuple[Callable[..., torch.Ten
 
 @requires_tgemm
 @pytest.mark.parametrize("case", list(_fallthrough_cases()))
-def test_falls_through_unchanged(case, highest_precision):
+def test_falls_through_unchanged(case, highest_fp32):
     fn, operands = _fallthrough_cases()[case]()
     plain = fn(*operands)
     with tg.override() as ov, TgemmCalls() as launched:
@@ -388,7 +379,7 @@ def test_override_is_per_thread():
 # --- torch.compile -----------------------------------------------------------------------------
 
 @requires_tgemm
-def test_compile_graph_follows_the_context(highest_precision, fresh_dynamo):
+def test_compile_graph_follows_the_context(highest_fp32, fresh_dynamo):
     graphs: list[torch.fx.GraphModule] = []
     ran: list[int] = []
 
@@ -440,7 +431,7 @@ class _TwoLayers(nn.Module):
 
 
 @requires_tgemm
-def test_compile_aot_eager_forward_backward(highest_precision, fresh_dynamo):
+def test_compile_aot_eager_forward_backward(highest_fp32, fresh_dynamo):
     model = _TwoLayers().to(DEVICE)
     x = randn(2, 5, 24, requires_grad=True)
     grad_out = torch.randn(2, 5, 16, device=DEVICE)
@@ -497,7 +488,7 @@ def _load_dropin_example():
 
 
 @requires_tgemm
-def test_llama_like_model_fp32(highest_precision):
+def test_llama_like_model_fp32(highest_fp32):
     dropin = _load_dropin_example()
     model = dropin.TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=64,
                              max_seq=8).to(DEVICE)

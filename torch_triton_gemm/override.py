@@ -106,6 +106,22 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...],
     return bound
 
 
+def _bind_operands(args: tuple, kwargs: dict, names: tuple[str, ...],
+                   keywords: tuple[str, ...] = (), optional: tuple[str, ...] = (),
+                   ) -> tuple[dict[str, Any], torch.dtype] | str:
+    """Bind the call and find the compute dtype of its operands ``names`` (those in ``optional``
+    may be None), or say why the call is left alone."""
+    bound = _bind(args, kwargs, names, keywords)
+    if isinstance(bound, str):
+        return bound
+    tensors = [bound.get(name) for name in names
+               if not (name in optional and bound.get(name) is None)]
+    dtype = _compute_dtype(*tensors)
+    if isinstance(dtype, str):
+        return dtype
+    return bound, dtype
+
+
 def _matrix_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> _Plan:
     m, k = a.shape
@@ -152,13 +168,11 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
 
 
 def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
-    bound = _bind(args, kwargs, ("input", "weight", "bias"))
-    if isinstance(bound, str):
-        return bound
+    operands = _bind_operands(args, kwargs, ("input", "weight", "bias"), optional=("bias",))
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
     x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
-    dtype = _compute_dtype(x, weight) if bias is None else _compute_dtype(x, weight, bias)
-    if isinstance(dtype, str):
-        return dtype
     if x.dim() < 2 or weight.dim() != 2:
         return "1-D input or weight not 2-D"
     n, k = weight.shape
@@ -171,28 +185,24 @@ def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_mm(args: tuple, kwargs: dict) -> _Plan | str:
-    bound = _bind(args, kwargs, ("input", "mat2"))
-    if isinstance(bound, str):
-        return bound
+    operands = _bind_operands(args, kwargs, ("input", "mat2"))
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
     a, b = bound.get("input"), bound.get("mat2")
-    dtype = _compute_dtype(a, b)
-    if isinstance(dtype, str):
-        return dtype
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
     return _matrix_plan("mm", a, b, None, dtype)
 
 
 def _plan_addmm(args: tuple, kwargs: dict) -> _Plan | str:
-    bound = _bind(args, kwargs, ("input", "mat1", "mat2"), keywords=("beta", "alpha"))
-    if isinstance(bound, str):
-        return bound
+    operands = _bind_operands(args, kwargs, ("input", "mat1", "mat2"), ("beta", "alpha"))
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
     if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
         return "beta or alpha is not 1"
     bias, a, b = bound.get("input"), bound.get("mat1"), bound.get("mat2")
-    dtype = _compute_dtype(a, b, bias)
-    if isinstance(dtype, str):
-        return dtype
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
     n = b.shape[1]
@@ -205,13 +215,11 @@ def _plan_addmm(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
-    bound = _bind(args, kwargs, ("input", "other"))
-    if isinstance(bound, str):
-        return bound
+    operands = _bind_operands(args, kwargs, ("input", "other"))
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
     a, b = bound.get("input"), bound.get("other")
-    dtype = _compute_dtype(a, b)
-    if isinstance(dtype, str):
-        return dtype
     if b.dim() == 2 and a.dim() >= 2 and a.shape[-1] == b.shape[0]:
         return _folded_plan("mm", a, b, None, dtype)
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]:
@@ -227,13 +235,11 @@ def _plan_rmatmul(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_bmm(args: tuple, kwargs: dict) -> _Plan | str:
-    bound = _bind(args, kwargs, ("input", "mat2"))
-    if isinstance(bound, str):
-        return bound
+    operands = _bind_operands(args, kwargs, ("input", "mat2"))
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
     a, b = bound.get("input"), bound.get("mat2")
-    dtype = _compute_dtype(a, b)
-    if isinstance(dtype, str):
-        return dtype
     if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
             or a.shape[2] != b.shape[1]):
         return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
