@@ -476,3 +476,24 @@ def test_int64_indexing_large_operand():
     ref = a[rows].double() @ b.double()
     assert rel_error(out[rows], ref) <= 1e-2
     del a
+
+
+def test_torch_export_keeps_the_op(device):
+    class Projection(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(randn((24, 40), torch.float32, device))
+            self.bias = torch.nn.Parameter(randn((24,), torch.float32, device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return tg.mm(x, self.weight.t(), self.bias, "silu")
+
+    model = Projection()
+    x = randn((13, 40), torch.float32, device)
+    exported = torch.export.export(model, (x,))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert "tgemm.mm.default" in targets
+    x2 = randn((13, 40), torch.float32, device)
+    with torch.no_grad():
+        out = exported.module()(x2)
+    assert rel_error(out, reference(x2, model.weight.t(), model.bias, "silu")) <= 2e-3
