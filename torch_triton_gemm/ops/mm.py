@@ -140,8 +140,14 @@ def _mm_fake(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
              activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=True)
+
+
+def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str, out_dtype: torch.dtype | None,
+                         traceable: bool) -> torch.Tensor:
     out = _mm_fake(a, b, bias, activation, out_dtype)
-    launch_mm(a, b, bias, out, activation)
+    launch_mm(a, b, bias, out, activation, traceable)
     return out
 
 
@@ -270,9 +276,7 @@ class _EagerMM(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b, bias, activation, out_dtype):  # type: ignore[no-untyped-def]
-        out = _mm_fake(a, b, bias, activation, out_dtype)
-        launch_mm(a, b, bias, out, activation, traceable=False)
-        return out
+        return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
