@@ -450,7 +450,7 @@ def test_dynamic_shapes_do_not_recompile():
 
 
 @pytest.mark.gpu
-def test_autotuning_is_keyed_by_size_bucket():
+def test_autotuning_is_keyed_by_size_bucket(monkeypatch):
     from torch_triton_gemm.ops import mm as mm_module
 
     if not mm_module.tuning.autotune_enabled():
@@ -459,10 +459,25 @@ def test_autotuning_is_keyed_by_size_bucket():
     w = randn((256, 512), torch.bfloat16, "cuda")
     tg.mm(randn((1000, 512), torch.bfloat16, "cuda"), w.t())
     before = len(tuner.cache)
+    # Eager calls in a bucket already tuned launch the kept config, not the autotuner.
+    runs = []
+    run = tuner.run
+
+    def counted_run(*args, **kwargs):
+        runs.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(tuner, "run", counted_run)
     for m in range(1001, 1024, 3):
         x = randn((m, 512), torch.bfloat16, "cuda")
         assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
     assert len(tuner.cache) == before
+    assert runs == []
+    # A new bucket goes through the autotuner once.
+    x = randn((40, 512), torch.bfloat16, "cuda")
+    for _ in range(3):
+        assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
+    assert runs == [1]
 
 
 @pytest.mark.gpu

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 from torch.library import wrap_triton
 
 from .. import device as _device
@@ -40,6 +39,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INT32_LIMIT = 2**31 - 1
 
 _mm_kernel_autotuned = tuning.autotune_mm(mm_kernel)
+_mm_eager_launch = tuning.TunedLaunch(_mm_kernel_autotuned)
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -108,12 +108,13 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
     return out_dtype
 
 
-def _needs_int64_indexing(*tensors: torch.Tensor) -> bool:
-    """True when an element offset of some tensor may not fit in int32."""
-    for t in tensors:
-        if t.numel() == 0:
+def _needs_int64_indexing(shape_and_strides: tuple[tuple[int, ...], ...]) -> bool:
+    """True when an element offset of some 2-D tensor (its shape and strides) may not fit in
+    int32."""
+    for rows, cols, row_stride, col_stride in shape_and_strides:
+        if rows == 0 or cols == 0:
             continue
-        if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) > _INT32_LIMIT:
+        if (rows - 1) * row_stride + (cols - 1) * col_stride > _INT32_LIMIT:
             return True
     return False
 
@@ -124,9 +125,9 @@ def _input_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def _layout_key(a: torch.Tensor, b: torch.Tensor) -> int:
+def _layout_key(stride_ak: int, stride_bk: int) -> int:
     # Whether each operand is contiguous along K; the best tile differs between layouts.
-    return 2 * int(a.stride(1) == 1) + int(b.stride(0) == 1)
+    return 2 * int(stride_ak == 1) + int(stride_bk == 1)
 
 
 # --- the op body --------------------------------------------------------------------------------
@@ -164,33 +165,51 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    element_size = a.element_size()
-    args = dict(
-        a_ptr=a, b_ptr=b, c_ptr=out, bias_ptr=bias, M=M, N=N, K=K,
-        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0),
-        stride_bn=b.stride(1), stride_cm=out.stride(0), stride_cn=out.stride(1),
-        stride_bias=bias.stride(0) if bias is not None else 0,
-        M_BUCKET=tuning.size_bucket(M), N_BUCKET=tuning.size_bucket(N),
-        K_BUCKET=tuning.size_bucket(K), LAYOUT=_layout_key(a, b),
-        HAS_BIAS=bias is not None, ACTIVATION=activation,
-        INPUT_PRECISION=_input_precision(a.dtype),
-        UPCAST_TO_FP32=_device.interpreter_enabled() and a.dtype == torch.bfloat16,
-        INDEX_64=_needs_int64_indexing(a, b, out),
+    # Host time matters here (an eager call of a small GEMM is host-bound): each stride is read
+    # once, and the grid is plain integer arithmetic.
+    stride_am, stride_ak = a.stride()
+    stride_bk, stride_bn = b.stride()
+    stride_cm, stride_cn = out.stride()
+    m_bucket = tuning.size_bucket(M)
+    n_bucket = tuning.size_bucket(N)
+    k_bucket = tuning.size_bucket(K)
+    layout = _layout_key(stride_ak, stride_bk)
+    index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
+                                      (M, N, stride_cm, stride_cn)))
+    # Runtime arguments in mm_kernel's order; the tile's meta-parameters come after them.
+    args = (
+        a, b, out, bias, M, N, K,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        bias.stride(0) if bias is not None else 0,
+        m_bucket, n_bucket, k_bucket, layout,
+        bias is not None, activation, _input_precision(a.dtype),
+        _device.interpreter_enabled() and a.dtype == torch.bfloat16,
+        index_64,
     )
 
-    def grid(meta: dict) -> tuple[int]:
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        block_m, block_n = meta["BLOCK_M"], meta["BLOCK_N"]
+        return (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),)
 
-    wrap = wrap_triton if traceable else _untraced
-    if tuning.autotune_enabled():
-        wrap(_mm_kernel_autotuned)[grid](**args)
+    if traceable:
+        # Arguments may be symbolic here: pass them by name, as wrap_triton expects, and hand it
+        # the autotuner itself (Inductor tunes its own launch).
+        named = dict(zip(mm_kernel.arg_names, args))
+        if tuning.autotune_enabled():
+            wrap_triton(_mm_kernel_autotuned)[grid](**named)
+        else:
+            wrap_triton(mm_kernel)[grid](**named, **_heuristic_config(a, M, N, K))
+    elif tuning.autotune_enabled():
+        key = (a.device, a.dtype, out.dtype, bias.dtype if bias is not None else None,
+               m_bucket, n_bucket, k_bucket, layout)
+        _mm_eager_launch(key, grid, args)
     else:
-        tile = tuning.heuristic_mm_tile(M, N, K, element_size)
-        wrap(mm_kernel)[grid](**args, **tuning.mm_launch_config(tile))
+        config = _heuristic_config(a, M, N, K)
+        mm_kernel[grid(config)](*args, **config)
 
 
-def _untraced(kernel: Any) -> Any:
-    return kernel
+def _heuristic_config(a: torch.Tensor, M: int, N: int, K: int) -> dict[str, Any]:
+    return tuning.mm_launch_config(tuning.heuristic_mm_tile(M, N, K, a.element_size()))
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -200,7 +219,7 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     the GPU."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
-    if torch._C._is_torch_function_mode_enabled():
+    if torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active():
         return False
     for t in tensors:
         if t is None:
@@ -272,14 +291,26 @@ mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerMM(torch.autograd.Function):
-    """The same forward and autograd formulas for plain eager calls, without the dispatcher."""
+    """The same forward and autograd formulas for plain eager calls, without the dispatcher.
+
+    forward takes ``ctx`` itself (no separate setup_context): ``Function.apply`` then skips
+    binding the arguments through ``inspect.signature``, which costs more host time than a small
+    GEMM's launch.
+    """
 
     @staticmethod
-    def forward(a, b, bias, activation, out_dtype):  # type: ignore[no-untyped-def]
-        return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+    def forward(ctx, a, b, bias, activation, out_dtype):  # type: ignore[no-untyped-def]
+        out = _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+        _setup_context(ctx, (a, b, bias, activation, out_dtype), out)
+        return out
 
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -305,5 +336,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
     if _plain_eager(a, b, bias):
-        return _EagerMM.apply(a, b, bias, activation, out_dtype)
+        if _needs_grad(a, b, bias):
+            return _EagerMM.apply(a, b, bias, activation, out_dtype)
+        return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
