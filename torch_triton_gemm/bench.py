@@ -202,8 +202,12 @@ def time_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int, cuda_graph: bool
 
 
 def measure_case(case: Case, dtype_name: str, warmup_ms: int, rep_ms: int,
-                 device: torch.device, cuda_graph: bool = False) -> Result:
-    """Time tgemm and torch.mm on the same fresh operands and check tgemm's accuracy."""
+                 device: torch.device, cuda_graph: bool = False, rounds: int = 2) -> Result:
+    """Time tgemm and torch.mm on the same fresh operands and check tgemm's accuracy.
+
+    The two are timed alternately ``rounds`` times and each keeps its best median, so that a
+    clock or power dip during one measurement does not decide the ratio.
+    """
     dtype = DTYPES[dtype_name]
     a, b = make_operands(case, dtype, device)
 
@@ -222,15 +226,18 @@ def measure_case(case: Case, dtype_name: str, warmup_ms: int, rep_ms: int,
         rel_err, err_vs = relative_error(out, peer.float()), "torch"
     del out, peer
 
-    tgemm_ms = time_ms(lambda: tg.mm(a, b), warmup_ms, rep_ms, cuda_graph)
-    torch_ms = time_ms(lambda: torch.mm(a, b), warmup_ms, rep_ms, cuda_graph)
+    tgemm_times, torch_times = [], []
+    for _ in range(rounds):
+        tgemm_times.append(time_ms(lambda: tg.mm(a, b), warmup_ms, rep_ms, cuda_graph))
+        torch_times.append(time_ms(lambda: torch.mm(a, b), warmup_ms, rep_ms, cuda_graph))
+    tgemm_ms, torch_ms = min(tgemm_times), min(torch_times)
     return Result(case, dtype_name, tgemm_ms, torch_ms, rel_err, err_vs,
                   first_call_s)
 
 
 def run_gemm_suites(cases: Sequence[Case], dtype_names: Sequence[str], warmup_ms: int,
-                    rep_ms: int, device: torch.device,
-                    cuda_graph: bool = False) -> list[Result]:
+                    rep_ms: int, device: torch.device, cuda_graph: bool = False,
+                    rounds: int = 2) -> list[Result]:
     """Measure every (dtype, case) pair, reporting progress on stderr."""
     results: list[Result] = []
     total = len(cases) * len(dtype_names)
@@ -242,7 +249,8 @@ def run_gemm_suites(cases: Sequence[Case], dtype_names: Sequence[str], warmup_ms
                   end=" ", file=sys.stderr, flush=True)
             start = time.perf_counter()
             try:
-                result = measure_case(case, dtype_name, warmup_ms, rep_ms, device, cuda_graph)
+                result = measure_case(case, dtype_name, warmup_ms, rep_ms, device, cuda_graph,
+                                      rounds)
             except torch.cuda.OutOfMemoryError:
                 # One oversized shape should not throw away the rows measured so far.
                 print("out of GPU memory; skipped", file=sys.stderr, flush=True)
@@ -639,6 +647,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="do_bench warm-up time per measurement, ms (default: 25)")
     parser.add_argument("--rep", type=_positive_int, default=100,
                         help="do_bench measurement time per measurement, ms (default: 100)")
+    parser.add_argument("--rounds", type=_positive_int, default=2,
+                        help="alternating tgemm/torch measurements per shape; each side keeps "
+                             "its best median (default: 2)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time replays of captured CUDA graphs (kernels without host "
                              "launch cost) instead of eager calls")
@@ -695,11 +706,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_header_line(device))
     timing = ("CUDA-graph replay (do_bench_cudagraph)" if args.cuda_graph
               else f"eager calls (do_bench, warmup {args.warmup} ms)")
-    print(f"# median of {timing}, rep {args.rep} ms; a row-major [M, K], "
-          "b = W.t() with W [N, K] unless the name says otherwise")
+    print(f"# median of {timing}, rep {args.rep} ms, best of {args.rounds} alternating rounds; "
+          "a row-major [M, K], b = W.t() with W [N, K] unless the name says otherwise")
     torch.manual_seed(0)
     results = run_gemm_suites(cases, args.dtypes, args.warmup, args.rep, device,
-                              args.cuda_graph)
+                              args.cuda_graph, args.rounds)
     if results:
         print()
         print(results_table(results))
