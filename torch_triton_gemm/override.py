@@ -122,6 +122,17 @@ def _bind_operands(args: tuple, kwargs: dict, names: tuple[str, ...],
     return bound, dtype
 
 
+def _bind_pair(args: tuple, kwargs: dict,
+               names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | str:
+    """The two operands of a ``(input, other)``-style call and their compute dtype, or why the
+    call is left alone."""
+    operands = _bind_operands(args, kwargs, names)
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
+    return bound[names[0]], bound[names[1]], dtype
+
+
 def _matrix_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> _Plan:
     m, k = a.shape
@@ -185,11 +196,10 @@ def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_mm(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "mat2"))
+    operands = _bind_pair(args, kwargs, ("input", "mat2"))
     if isinstance(operands, str):
         return operands
-    bound, dtype = operands
-    a, b = bound.get("input"), bound.get("mat2")
+    a, b, dtype = operands
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
     return _matrix_plan("mm", a, b, None, dtype)
@@ -215,11 +225,10 @@ def _plan_addmm(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "other"))
+    operands = _bind_pair(args, kwargs, ("input", "other"))
     if isinstance(operands, str):
         return operands
-    bound, dtype = operands
-    a, b = bound.get("input"), bound.get("other")
+    a, b, dtype = operands
     if b.dim() == 2 and a.dim() >= 2 and a.shape[-1] == b.shape[0]:
         return _folded_plan("mm", a, b, None, dtype)
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]:
@@ -235,11 +244,10 @@ def _plan_rmatmul(args: tuple, kwargs: dict) -> _Plan | str:
 
 
 def _plan_bmm(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "mat2"))
+    operands = _bind_pair(args, kwargs, ("input", "mat2"))
     if isinstance(operands, str):
         return operands
-    bound, dtype = operands
-    a, b = bound.get("input"), bound.get("mat2")
+    a, b, dtype = operands
     if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
             or a.shape[2] != b.shape[1]):
         return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
