@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -172,10 +173,12 @@ def heuristic_mm_tile(m: int, n: int, k: int, element_size: int) -> TileConfig:
     return _for_dtype(tile, element_size)
 
 
-def mm_launch_config(tile: TileConfig) -> dict[str, Any]:
-    """Keyword arguments that launch the mm kernel with ``tile`` (no autotuner)."""
+@functools.cache
+def mm_launch_config(tile: TileConfig) -> Mapping[str, Any]:
+    """Keyword arguments that launch the mm kernel with ``tile`` (no autotuner); built once per
+    tile, read-only."""
     cfg = _as_triton(tile)
-    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return MappingProxyType(dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 def autotune_mm(kernel: Any) -> Any:

@@ -20,7 +20,7 @@ registration, autograd, and the typed public function.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -159,7 +159,8 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     ``traceable=False`` launches the Triton kernel directly instead of through ``wrap_triton``,
     for plain eager calls that nothing traces.
     """
-    error = _device.kernel_device_error(a.device)
+    device = a.device
+    error = _device.kernel_device_error(device)
     _check(error is None, lambda: f"tgemm::mm: {error}")
     M, K = a.shape
     N = b.shape[1]
@@ -200,7 +201,7 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         else:
             wrap_triton(mm_kernel)[grid](**named, **_heuristic_config(a, M, N, K))
     elif tuning.autotune_enabled():
-        key = (a.device, a.dtype, out.dtype, bias.dtype if bias is not None else None,
+        key = (device, a.dtype, out.dtype, bias.dtype if bias is not None else None,
                m_bucket, n_bucket, k_bucket, layout)
         _mm_eager_launch(key, grid, args)
     else:
@@ -208,7 +209,7 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         mm_kernel[grid(config)](*args, **config)
 
 
-def _heuristic_config(a: torch.Tensor, M: int, N: int, K: int) -> dict[str, Any]:
+def _heuristic_config(a: torch.Tensor, M: int, N: int, K: int) -> Mapping[str, Any]:
     return tuning.mm_launch_config(tuning.heuristic_mm_tile(M, N, K, a.element_size()))
 
 
