@@ -7,6 +7,7 @@ Triton's interpreter (see conftest.py); GPU-only tests carry the ``gpu`` marker.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -409,7 +410,7 @@ def test_inductor_output_code_has_the_kernel():
     w = randn((96, 64), torch.bfloat16, "cuda")
     out, code = run_and_get_code(torch.compile(_linear_gelu, fullgraph=True), x, w,
                                  randn((96,), torch.bfloat16, "cuda"))
-    assert "mm_kernel" in "\n".join(code)
+    assert re.search(r"\bmm_(tma_)?kernel\b", "\n".join(code))
     assert torch.isfinite(out).all()
 
 
@@ -447,37 +448,6 @@ def test_dynamic_shapes_do_not_recompile():
         x = randn((m, 96), torch.float16, "cuda")
         assert rel_error(compiled(x, w), reference(x, w.t(), None, "relu")) <= 1e-2
     assert counters["stats"]["unique_graphs"] == 1
-
-
-@pytest.mark.gpu
-def test_autotuning_is_keyed_by_size_bucket(monkeypatch):
-    from torch_triton_gemm.ops import mm as mm_module
-
-    if not mm_module.tuning.autotune_enabled():
-        pytest.skip("autotuning disabled by TORCH_TRITON_GEMM_AUTOTUNE=0")
-    tuner = mm_module._mm_kernel_autotuned
-    w = randn((256, 512), torch.bfloat16, "cuda")
-    tg.mm(randn((1000, 512), torch.bfloat16, "cuda"), w.t())
-    before = len(tuner.cache)
-    # Eager calls in a bucket already tuned launch the kept config, not the autotuner.
-    runs = []
-    run = tuner.run
-
-    def counted_run(*args, **kwargs):
-        runs.append(1)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(tuner, "run", counted_run)
-    for m in range(1001, 1024, 3):
-        x = randn((m, 512), torch.bfloat16, "cuda")
-        assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
-    assert len(tuner.cache) == before
-    assert runs == []
-    # A new bucket goes through the autotuner once.
-    x = randn((40, 512), torch.bfloat16, "cuda")
-    for _ in range(3):
-        assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
-    assert runs == [1]
 
 
 @pytest.mark.gpu

@@ -50,8 +50,14 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# SMs assumed when no GPU can be asked (tracing CUDA FakeTensors on a CPU-only host): an H100's.
+_PORTABLE_NUM_SMS = 132
+
+
 def num_sms(device: torch.device) -> int:
     """Number of streaming multiprocessors (132 on an H100 SXM)."""
+    if not torch.cuda.is_available():
+        return _PORTABLE_NUM_SMS
     return _properties(_index(device)).multi_processor_count
 
 
@@ -74,3 +80,38 @@ def shared_memory_per_block(index: int) -> int:
     props = _properties(index)
     opt_in = getattr(props, "shared_memory_per_block_optin", 0)
     return int(opt_in or props.shared_memory_per_block)
+
+
+@functools.cache
+def _name(index: int) -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return _properties(index).name
+
+
+def name(device: torch.device) -> str:
+    """The GPU model's name ("NVIDIA H100 80GB HBM3"), or "cpu" without one; keys tuned plans."""
+    if device.type != "cuda":
+        return "cpu"
+    return _name(_index(device))
+
+
+def supports_tma(device: torch.device) -> bool:
+    """Whether compiled kernels on ``device`` can use TMA descriptors (Hopper, sm_90, or newer)."""
+    if device.type != "cuda" or interpreter_enabled() or not torch.cuda.is_available():
+        return False
+    return capability(device) >= (9, 0)
+
+
+def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Device-side TMA descriptors live in a small global-memory scratch buffer that Triton asks
+    # its allocator for at each launch.
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+@functools.cache
+def install_tma_allocator() -> None:
+    """Give Triton the allocator that device-side TMA descriptors need (once per process)."""
+    import triton
+
+    triton.set_allocator(_allocate_scratch)

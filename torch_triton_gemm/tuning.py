@@ -1,17 +1,28 @@
-"""Config spaces, pruning rules and heuristics for the tgemm kernels.
+"""How a GEMM is launched: plans (kernel, tile, K split), the heuristic, and tuned plans on disk.
 
-Configs are data: a tile (BLOCK_M, BLOCK_N, BLOCK_K), the L2 band height GROUP_M, and the launch
-shape (num_warps, num_stages). The autotuner is keyed on power-of-two size buckets, so shapes
-that differ slightly (every M from 1025 to 2048, say) share one tuning run.
+Configs are data. A *tile* is (BLOCK_M, BLOCK_N, BLOCK_K), the L2 band height GROUP_M and the
+launch shape (num_warps, num_stages); a *plan* adds the kernel ("tma": the persistent Hopper
+kernel, "portable": the one that runs everywhere), the number of K splits and the Hopper
+options. Every call gets a plan without a tuning sweep: from the tuned table when the shape's
+bucket was tuned (``torch_triton_gemm.tune`` / ``python -m torch_triton_gemm.tune``, or
+``TORCH_TRITON_GEMM_AUTOTUNE=1`` to tune each new bucket on first use), else from the heuristic.
+Tuned plans persist in one JSON file per GPU model, Triton version and kernel source, so a
+second process re-tunes nothing and a changed kernel never reuses stale winners.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
+import hashlib
+import json
 import os
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -31,13 +42,20 @@ class TileConfig:
     num_stages: int
 
 
-# The mm search space. BLOCK_K is written for 2-byte inputs and rescaled per dtype so that a
-# pipeline stage moves the same number of bytes (fp8: x2, fp32: /2).
+@dataclass(frozen=True)
+class MMPlan:
+    kernel: str  # "tma" or "portable"
+    tile: TileConfig
+    split_k: int = 1
+    warp_specialize: bool = False
+    epilogue_subtile: int = 1  # TMA stores of C in this many column slices
+
+
+# Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
+# the same number of bytes (fp8: x2, fp32: /2).
 MM_TILES: tuple[TileConfig, ...] = (
     # Large, compute-bound shapes: 128x256 / 256x128 tiles with 8 warps feed Hopper's wgmma.
-    # 128x256 with GROUP_M = 16 led at 4096^3-8192^3 on an H100; its 4-stage twin and the
-    # 5-stage 128x128 tile lead at M = 512, where fewer tiles must still fill 132 SMs.
-    TileConfig(128, 256, 64, 16, 8, 3),
+    TileConfig(128, 256, 64, 8, 8, 3),
     TileConfig(128, 256, 64, 16, 8, 4),
     TileConfig(256, 128, 64, 8, 8, 3),
     TileConfig(128, 128, 64, 8, 8, 5),
@@ -51,6 +69,7 @@ MM_TILES: tuple[TileConfig, ...] = (
     # enough programs to fill the SMs, and deep K steps to keep many bytes in flight.
     TileConfig(16, 32, 256, 1, 4, 4),
     TileConfig(16, 64, 256, 1, 4, 4),
+    TileConfig(16, 64, 128, 1, 4, 6),
     TileConfig(16, 128, 128, 1, 4, 4),
     TileConfig(32, 64, 128, 1, 4, 4),
     TileConfig(32, 128, 128, 4, 4, 4),
@@ -61,166 +80,264 @@ MM_TILES: tuple[TileConfig, ...] = (
 # are small, so one modest tile serves every shape there.
 INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 
+# Split K only while a split keeps at least this many BLOCK_K steps: fewer, and the partial
+# tiles' write and re-read cost more than the parallelism gains.
+MIN_K_STEPS_PER_SPLIT = 4
+MAX_SPLIT_K = 64
+# A shape is "deep" when K is this many times its larger output side: few output tiles, long K
+# loops, so larger tiles (more reuse per loaded byte) and K splits to fill the SMs win.
+DEEP_K_RATIO = 4
+
 _AUTOTUNE_ENV = "TORCH_TRITON_GEMM_AUTOTUNE"
+_CACHE_DIR_ENV = "TORCH_TRITON_GEMM_CACHE_DIR"
 
 
 @functools.cache
 def autotune_enabled() -> bool:
-    """On for GPUs unless ``TORCH_TRITON_GEMM_AUTOTUNE=0`` (read once); never in the interpreter."""
+    """Tune each new bucket on first use: ``TORCH_TRITON_GEMM_AUTOTUNE=1`` (read once), GPU only."""
     if _device.interpreter_enabled():
         return False
-    return os.environ.get(_AUTOTUNE_ENV, "1") != "0"
+    return os.environ.get(_AUTOTUNE_ENV, "0") == "1"
 
 
-def size_bucket(x: int | torch.SymInt) -> int | torch.SymInt:
-    """Power-of-two bucket of a size: the autotuner's cache key for that dimension.
-
-    A symbolic size (torch.compile with dynamic shapes) is passed through unchanged: bucketing it
-    would guard on its range and recompile per bucket, and Inductor tunes its own launches.
-    """
-    if type(x) is int:  # the eager case, kept cheap
-        return 1 << (x - 1).bit_length() if x > 1 else 1
-    if isinstance(x, torch.SymInt):
-        return x
-    return size_bucket(int(x))
+def size_bucket(x: int) -> int:
+    """Power-of-two bucket of a size: tuned plans are kept per bucket of each dimension."""
+    return 1 << (x - 1).bit_length() if x > 1 else 1
 
 
 def _for_dtype(tile: TileConfig, element_size: int) -> TileConfig:
     block_k = max(16, tile.block_k * 2 // element_size)
-    return TileConfig(tile.block_m, tile.block_n, block_k, tile.group_m, tile.num_warps,
-                      tile.num_stages)
+    return dataclasses.replace(tile, block_k=block_k)
 
 
-def _fits_problem(tile: TileConfig, m_bucket: int, n_bucket: int) -> bool:
-    # A tile much larger than the problem wastes its work; a tile much smaller than a large
-    # problem wastes bandwidth on re-reads. Both bounds use the power-of-two buckets.
-    if tile.block_m > max(16, m_bucket) or tile.block_n > max(32, n_bucket):
-        return False
-    if m_bucket >= 256 and tile.block_m < 64:
-        return False
-    if m_bucket <= 64 and tile.block_m > 64:
-        return False
-    return True
-
-
-def _shared_memory_bytes(tile: TileConfig, element_size: int) -> int:
+def shared_memory_bytes(tile: TileConfig, element_size: int) -> int:
     return (tile.block_m + tile.block_n) * tile.block_k * element_size * tile.num_stages
 
 
-def _as_triton(tile: TileConfig) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-         "GROUP_M": tile.group_m},
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
-    )
+def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits, K per split) for splitting K into ``split_k`` parts of whole BLOCK_K steps; the
+    count can come out lower than asked so that no split is empty."""
+    if split_k <= 1 or k <= block_k:
+        return 1, k
+    k_steps = -(-k // block_k)
+    k_per_split = -(-k_steps // split_k) * block_k
+    return -(-k // k_per_split), k_per_split
 
 
-def _tiles_for(element_size: int) -> set[TileConfig]:
-    return {_for_dtype(t, element_size) for t in MM_TILES}
+def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
+    """K splits that bring the work units (tiles x splits) to about one wave of the SMs when
+    the output alone has too few tiles for that (under 70% of the SMs busy)."""
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    if tiles >= 0.7 * num_sms:
+        return 1
+    most = min(MAX_SPLIT_K, -(-k // tile.block_k) // MIN_K_STEPS_PER_SPLIT)
+    return max(1, min(most, -(-int(0.9 * num_sms) // tiles)))
 
 
-def _prune_mm_configs(configs: list[triton.Config], named_args: dict[str, Any],
-                      **kwargs: Any) -> list[triton.Config]:
-    """early_config_prune for the mm autotuner: keep configs that suit the dtype and size bucket."""
-    named_args = {**named_args, **kwargs}  # launches may pass kernel arguments by keyword
-    a = named_args["a_ptr"]
-    element_size = a.element_size()
-    allowed = _tiles_for(element_size)
-    smem_limit = _device.shared_memory_per_block(a.device.index or 0)
-    m_bucket, n_bucket, k_bucket = (named_args[k] for k in ("M_BUCKET", "N_BUCKET", "K_BUCKET"))
-    # Under torch.compile with dynamic shapes the sizes are symbolic: comparing them would guard
-    # and recompile per bucket, so only dtype and shared-memory rules apply there.
-    sizes_known = not any(isinstance(x, torch.SymInt) for x in (m_bucket, n_bucket, k_bucket))
-    kept = []
-    for cfg in configs:
-        kw = cfg.kwargs
-        tile = TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"],
-                          cfg.num_warps, cfg.num_stages)
-        if tile not in allowed:
-            continue
-        if sizes_known and not _fits_problem(tile, m_bucket, n_bucket):
-            continue
-        if sizes_known and tile.block_k > max(32, k_bucket):
-            continue
-        if _shared_memory_bytes(tile, element_size) > smem_limit:
-            continue
-        kept.append(cfg)
-    if not kept:
-        kept = [_as_triton(heuristic_mm_tile(m_bucket, n_bucket, k_bucket, element_size))]
-    return kept
+def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
+                      num_sms: int) -> MMPlan:
+    """The plan used for a shape nobody tuned, from its size class (rules read off kernel-only
+    timings of candidate plans on an H100; see the tune module's --report).
 
-
-def mm_configs() -> list[triton.Config]:
-    """Every config the mm autotuner may try, for all input element sizes (pruned per call)."""
-    tiles = []
-    for element_size in (1, 2, 4):
-        tiles += [t for t in sorted(_tiles_for(element_size), key=repr) if t not in tiles]
-    return [_as_triton(t) for t in tiles]
-
-
-def heuristic_mm_tile(m: int, n: int, k: int, element_size: int) -> TileConfig:
-    """The tile used without autotuning (``TORCH_TRITON_GEMM_AUTOTUNE=0``, or the interpreter)."""
+    - decode and small batches (M <= 32): memory-bound on B; narrow M tiles on the portable
+      kernel (it streamed B faster than TMA there), K split until about one SM wave is busy;
+    - deep K (K >= 4 x max(M, N)): few output tiles, long K loops: 128x128 tiles (64x64 when
+      even those are very few) and K splits;
+    - at least two waves of 128x256 tiles: the persistent TMA kernel with 128x256 tiles, its
+      epilogue stored in two slices;
+    - about one wave of 128x256 tiles: 128x256 tiles, 4 stages, wide L2 bands;
+    - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles.
+    """
     if _device.interpreter_enabled():
-        return INTERPRETER_TILE
-    if m <= 16:
-        tile = TileConfig(16, 64, 256, 1, 4, 4)
-    elif m <= 64:
-        tile = TileConfig(64, 64, 128, 4, 4, 4)
-    elif n <= 64:
-        tile = TileConfig(128, 64, 64, 8, 4, 4)
-    else:
-        tile = TileConfig(128, 128, 64, 8, 8, 4)
-    return _for_dtype(tile, element_size)
+        return MMPlan("portable", INTERPRETER_TILE)
 
+    def tiles(bm: int, bn: int) -> int:
+        return -(-m // bm) * -(-n // bn)
+
+    kernel = "portable"
+    if m <= 32:
+        block_n = 128 if -(-n // 128) >= num_sms else 64
+        tile = (TileConfig(16, block_n, 128, 1, 4, 6) if m <= 16
+                else TileConfig(32, block_n, 128, 4, 4, 4))
+    elif k >= DEEP_K_RATIO * max(m, n):
+        kernel = "tma"
+        tile = (TileConfig(128, 128, 64, 8, 8, 5) if tiles(128, 128) >= 16
+                else TileConfig(64, 64, 128, 4, 4, 4))
+    elif tiles(128, 256) >= 2 * num_sms:
+        kernel = "tma"
+        tile = TileConfig(128, 256, 64, 8, 8, 3)
+    elif tiles(128, 256) >= 0.7 * num_sms:
+        tile = TileConfig(128, 256, 64, 16, 8, 4)
+    elif tiles(128, 128) >= 0.7 * num_sms:
+        kernel = "tma"
+        tile = TileConfig(128, 128, 64, 8, 8, 5)
+    else:
+        tile = TileConfig(64, 128, 64, 8, 4, 4)
+    tile = _for_dtype(tile, element_size)
+    split = _split_for(m, n, k, tile, num_sms)
+    if kernel == "tma" and tma:
+        return MMPlan("tma", tile, split, epilogue_subtile=2 if tile.block_n >= 128 else 1)
+    return MMPlan("portable", tile, split)
+
+
+def symbolic_mm_plan(element_size: int) -> MMPlan:
+    """The plan for symbolic sizes (torch.compile with dynamic shapes): one for all sizes."""
+    if _device.interpreter_enabled():
+        return MMPlan("portable", INTERPRETER_TILE)
+    return MMPlan("portable", _for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size))
+
+
+def reduce_tile(m: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the split-K reduction: small tiles, so that even a
+    decode-sized output spreads over many SMs."""
+    if _device.interpreter_enabled():
+        return 32, 32, 4
+    return (16 if m <= 16 else 32), 128, 4
+
+
+_FORCED: contextvars.ContextVar[MMPlan | None] = contextvars.ContextVar("tgemm_plan",
+                                                                        default=None)
+
+
+def forced_plan() -> MMPlan | None:
+    """The plan set by ``force_plan`` in this context, if any."""
+    return _FORCED.get()
+
+
+@contextlib.contextmanager
+def force_plan(plan: MMPlan) -> Iterator[None]:
+    """Launch every mm in this block with ``plan`` (tuning and tests). A "tma" plan falls back
+    to the portable kernel for operands TMA cannot describe."""
+    token = _FORCED.set(plan)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+# --- launch keyword arguments ---------------------------------------------------------------------
 
 @functools.cache
-def mm_launch_config(tile: TileConfig) -> Mapping[str, Any]:
-    """Keyword arguments that launch the mm kernel with ``tile`` (no autotuner); built once per
-    tile, read-only."""
-    cfg = _as_triton(tile)
-    return MappingProxyType(dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+def launch_meta(plan: MMPlan, split_k: int) -> Mapping[str, Any]:
+    """Meta-parameters launching ``plan``'s kernel with ``split_k`` splits (built once)."""
+    tile = plan.tile
+    meta: dict[str, Any] = {
+        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+        "GROUP_M": tile.group_m, "SPLIT_K": split_k,
+        "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+    }
+    if plan.kernel == "tma":
+        meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
+        meta["WARP_SPECIALIZE"] = plan.warp_specialize
+    return MappingProxyType(meta)
 
 
-def autotune_mm(kernel: Any) -> Any:
-    """Wrap the mm kernel in Triton's autotuner, keyed on size buckets and the operand layout.
+# --- tuned plans on disk --------------------------------------------------------------------------
 
-    Results are cached on disk (``cache_results``) so a process does not re-tune shapes an
-    earlier run already tuned.
-    """
-    return triton.autotune(
-        configs=mm_configs(),
-        key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"],
-        prune_configs_by={"early_config_prune": _prune_mm_configs},
-        cache_results=True,
-    )(kernel)
+def plan_key(m: int, n: int, k: int, dtype: torch.dtype, layout: int, tma: bool) -> str:
+    """Key of the tuned table: size buckets, dtype, operand layout and TMA eligibility."""
+    return (f"{str(dtype).removeprefix('torch.')}/L{layout}/{'tma' if tma else 'ptr'}/"
+            f"{size_bucket(m)}x{size_bucket(n)}x{size_bucket(k)}")
 
 
-class TunedLaunch:
-    """Eager launches of an autotuned kernel that pay Triton's autotuner only once per key.
+def _kernel_source_hash() -> str:
+    kernels = Path(__file__).parent / "kernels"
+    digest = hashlib.sha256()
+    for path in sorted(kernels.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
-    ``Autotuner.run`` rebuilds its cache key from every argument on each call: tens of
-    microseconds of host time, as long as a small GEMM takes on the GPU. The first launch for a
-    key goes through the autotuner (which tunes, or reads its disk cache) and the pick is kept;
-    later launches with that key call the jitted kernel with the kept config directly.
-    """
 
-    def __init__(self, autotuned: Any) -> None:
-        self.autotuned = autotuned
-        self._kernel = autotuned.fn
-        self._configs: dict[Hashable, dict[str, Any]] = {}
+def cache_path(device: torch.device) -> Path:
+    """The tuned-plan file for ``device``'s GPU model, this Triton and these kernels."""
+    root = os.environ.get(_CACHE_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torch_triton_gemm")
+    gpu = _device.name(device).replace(" ", "_").replace("/", "_")
+    return Path(root) / f"mm-{gpu}-triton{triton.__version__}-{_kernel_source_hash()}.json"
+
+
+class TunedPlans:
+    """The tuned table of one device: read from disk on first use, written after each tuning."""
+
+    def __init__(self) -> None:
+        self._tables: dict[Path, dict[str, MMPlan]] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, key: Hashable, grid: Callable[[dict[str, Any]], tuple[int, ...]],
-                 args: tuple[Any, ...]) -> None:
-        """Launch with the runtime ``args`` (positional, kernel order) on ``grid(config)``.
+    def _table(self, device: torch.device) -> tuple[Path, dict[str, MMPlan]]:
+        path = cache_path(device)
+        table = self._tables.get(path)
+        if table is None:
+            table = {}
+            if path.exists():
+                for key, entry in json.loads(path.read_text()).items():
+                    table[key] = _plan_from_json(entry)
+            self._tables[path] = table
+        return path, table
 
-        ``key`` must determine the autotuner's own key (size buckets, layout, dtypes).
-        """
-        config = self._configs.get(key)
-        if config is None:
-            # best_config is shared state on the autotuner: read it under the lock.
-            with self._lock:
-                self.autotuned[grid](*args)
-                self._configs[key] = self.autotuned.best_config.all_kwargs()
-            return
-        self._kernel[grid(config)](*args, **config)
+    def get(self, device: torch.device, key: str) -> MMPlan | None:
+        return self._table(device)[1].get(key)
+
+    def put(self, device: torch.device, key: str, plan: MMPlan) -> None:
+        with self._lock:
+            path, table = self._table(device)
+            table[key] = plan
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({k: _plan_to_json(p) for k, p in sorted(table.items())},
+                                      indent=1))
+            os.replace(tmp, path)  # atomic: concurrent processes never read a torn file
+
+
+def _plan_to_json(plan: MMPlan) -> dict[str, Any]:
+    return dataclasses.asdict(plan)
+
+
+def _plan_from_json(entry: Mapping[str, Any]) -> MMPlan:
+    return MMPlan(**{**entry, "tile": TileConfig(**entry["tile"])})
+
+
+TUNED = TunedPlans()
+
+
+# --- candidates for tuning ------------------------------------------------------------------------
+
+def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
+                    num_sms: int) -> Iterator[MMPlan]:
+    """Plans worth timing for one shape: every tile of the space that suits its size, unsplit
+    and split to fill the SMs, on each kernel the operands allow; the heuristic's plan first."""
+    smem = _device.shared_memory_per_block(0)
+    seen = set()
+    first = heuristic_mm_plan(m, n, k, element_size, tma, num_sms)
+    seen.add(first)
+    yield first
+    kernels = ("tma", "portable") if tma else ("portable",)
+    for base in MM_TILES:
+        tile = _for_dtype(base, element_size)
+        if not _fits_problem(tile, m, n) or shared_memory_bytes(tile, element_size) > smem:
+            continue
+        # The TMA kernel also stages a slice of C in shared memory for its store.
+        tma_fits = shared_memory_bytes(tile, element_size) + tile.block_m * tile.block_n * 2 <= smem
+        for split in sorted({1, _split_for(m, n, k, tile, num_sms)}):
+            for kernel in kernels:
+                if kernel == "tma" and not tma_fits:
+                    continue
+                big = kernel == "tma" and tile.block_m >= 128 and tile.block_n >= 128
+                for subtile, specialize in ((1, False), (2, False), (2, True)) if big else (
+                        (1, False),):
+                    plan = MMPlan(kernel, tile, split, specialize, subtile)
+                    if plan not in seen:
+                        seen.add(plan)
+                        yield plan
+
+
+def _fits_problem(tile: TileConfig, m: int, n: int) -> bool:
+    # A tile much larger than the problem wastes its work; a tile much smaller than a large
+    # problem wastes bandwidth on re-reads.
+    mb, nb = size_bucket(m), size_bucket(n)
+    if tile.block_m > max(16, mb) or tile.block_n > max(32, nb):
+        return False
+    if mb >= 256 and tile.block_m < 64:
+        return False
+    if mb <= 64 and tile.block_m > 64:
+        return False
+    return True

@@ -108,16 +108,23 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexpr,
+                    ACTIVATION: tl.constexpr):
+    """The fp32 part of every epilogue: add bias (per output column), apply the activation."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    return apply_activation(acc, ACTIVATION)
+
+
+@triton.jit
 def store_epilogue(
     acc, c_ptr, bias_ptr, offs_m, offs_n, M, N,
     stride_cm, stride_cn, stride_bias,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
 ):
     """Add bias (per output column), apply the activation in fp32, cast and store the tile."""
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACTIVATION)
+    acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

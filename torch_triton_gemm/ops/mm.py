@@ -20,6 +20,7 @@ registration, autograd, and the typed public function.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.library import wrap_triton
 
 from .. import device as _device
 from .. import tuning
-from ..kernels.matmul import mm_kernel
+from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from ..kernels.tiles import ACTIVATIONS
 from ._registry import define_triton_op
 
@@ -38,8 +39,6 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INT32_LIMIT = 2**31 - 1
 
-_mm_kernel_autotuned = tuning.autotune_mm(mm_kernel)
-_mm_eager_launch = tuning.TunedLaunch(_mm_kernel_autotuned)
 
 
 # --- checks -------------------------------------------------------------------------------------
@@ -130,6 +129,75 @@ def _layout_key(stride_ak: int, stride_bk: int) -> int:
     return 2 * int(stride_ak == 1) + int(stride_bk == 1)
 
 
+# --- TMA eligibility ----------------------------------------------------------------------------
+# A TMA descriptor needs a 16-byte aligned base, a unit stride in its last dimension and the other
+# stride a multiple of 16 bytes. Operands that miss this run on the portable kernel.
+
+def _base_aligned(t: torch.Tensor) -> bool:
+    try:
+        return t.data_ptr() % 16 == 0
+    except RuntimeError:  # FakeTensor / functional tensor while tracing: storages are aligned
+        offset = t.storage_offset()
+        return type(offset) is int and offset * t.element_size() % 16 == 0
+
+
+def _tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,
+                 element_size: int) -> tuple[bool, int, int] | None:
+    """(rows contiguous?, stride of rows, stride of columns) as the TMA kernel should see a
+    [rows, cols] operand, or None when TMA cannot describe it. A dimension of size 1 has no
+    meaningful stride: it gets one that satisfies the rules."""
+    def padded(n: int) -> int:
+        return -(-n * element_size // 16) * 16 // element_size
+
+    if rows == 1:
+        stride_rows = padded(cols)
+    if cols == 1:
+        stride_cols = padded(rows)
+    if stride_cols == 1 and stride_rows > 0 and stride_rows * element_size % 16 == 0:
+        return False, stride_rows, 1
+    if stride_rows == 1 and stride_cols > 0 and stride_cols * element_size % 16 == 0:
+        return True, 1, stride_cols
+    return None
+
+
+def _tma_arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+                   ) -> tuple[tuple[int, ...], dict[str, bool]] | None:
+    """Strides and layout flags for mm_tma_kernel, or None when the operands need the portable
+    kernel."""
+    M, K = a.shape
+    N = b.shape[1]
+    if K == 0 or not (_base_aligned(a) and _base_aligned(b)):
+        return None
+    size = a.element_size()
+    a_desc = _tma_operand(M, K, *a.stride(), size)
+    b_desc = _tma_operand(K, N, *b.stride(), size)
+    if a_desc is None or b_desc is None:
+        return None
+    strides = (a_desc[1], a_desc[2], b_desc[1], b_desc[2])
+    flags = {"A_M_CONTIGUOUS": a_desc[0], "B_K_CONTIGUOUS": b_desc[0],
+             "C_TMA": N * out.element_size() % 16 == 0}
+    return strides, flags
+
+
+def _plan(M: int, N: int, K: int, a: torch.Tensor, layout: int, tma: bool,
+          device: torch.device) -> tuning.MMPlan:
+    """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
+    heuristic's. No tuning sweep happens here: tuning is the tune module's job."""
+    forced = tuning.forced_plan()
+    if forced is not None:
+        return forced
+    if device.type == "cuda":
+        plan = tuning.TUNED.get(device, tuning.plan_key(M, N, K, a.dtype, layout, tma))
+        if plan is not None:
+            return plan
+    return tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device))
+
+
+def _num_sms(device: torch.device) -> int:
+    # The interpreter runs programs one after another: a few persistent programs suffice there.
+    return _device.num_sms(device) if device.type == "cuda" else 4
+
+
 # --- the op body --------------------------------------------------------------------------------
 
 def _mm_fake(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -153,11 +221,12 @@ def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
 
 
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-              activation: str, traceable: bool = True) -> None:
-    """Launch the mm kernel writing activation(a @ b + bias) into ``out`` (checked inputs).
+              activation: str, traceable: bool = True, plan: tuning.MMPlan | None = None) -> None:
+    """Launch the mm kernels writing activation(a @ b + bias) into ``out`` (checked inputs).
 
-    ``traceable=False`` launches the Triton kernel directly instead of through ``wrap_triton``,
-    for plain eager calls that nothing traces.
+    ``traceable=False`` launches the Triton kernels directly instead of through ``wrap_triton``,
+    for plain eager calls that nothing traces. ``plan`` replaces the plan choice (tuning); a
+    "tma" plan runs on the portable kernel when the operands cannot be described for TMA.
     """
     device = a.device
     error = _device.kernel_device_error(device)
@@ -167,50 +236,71 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     if M == 0 or N == 0:
         return
     # Host time matters here (an eager call of a small GEMM is host-bound): each stride is read
-    # once, and the grid is plain integer arithmetic.
+    # once, and the grids are plain integer arithmetic.
     stride_am, stride_ak = a.stride()
     stride_bk, stride_bn = b.stride()
     stride_cm, stride_cn = out.stride()
-    m_bucket = tuning.size_bucket(M)
-    n_bucket = tuning.size_bucket(N)
-    k_bucket = tuning.size_bucket(K)
-    layout = _layout_key(stride_ak, stride_bk)
-    index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
-                                      (M, N, stride_cm, stride_cn)))
-    # Runtime arguments in mm_kernel's order; the tile's meta-parameters come after them.
-    args = (
-        a, b, out, bias, M, N, K,
-        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        bias.stride(0) if bias is not None else 0,
-        m_bucket, n_bucket, k_bucket, layout,
-        bias is not None, activation, _input_precision(a.dtype),
-        _device.interpreter_enabled() and a.dtype == torch.bfloat16,
-        index_64,
-    )
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        block_m, block_n = meta["BLOCK_M"], meta["BLOCK_N"]
-        return (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),)
-
-    if traceable:
-        # Arguments may be symbolic here: pass them by name, as wrap_triton expects, and hand it
-        # the autotuner itself (Inductor tunes its own launch).
-        named = dict(zip(mm_kernel.arg_names, args))
-        if tuning.autotune_enabled():
-            wrap_triton(_mm_kernel_autotuned)[grid](**named)
-        else:
-            wrap_triton(mm_kernel)[grid](**named, **_heuristic_config(a, M, N, K))
-    elif tuning.autotune_enabled():
-        key = (device, a.dtype, out.dtype, bias.dtype if bias is not None else None,
-               m_bucket, n_bucket, k_bucket, layout)
-        _mm_eager_launch(key, grid, args)
+    tma_args = None
+    if type(M) is int and type(N) is int and type(K) is int:
+        tma_args = _tma_arguments(a, b, out)
+        # The interpreter runs the TMA kernel too (for tests), but only when a plan asks for it.
+        tma_ready = _device.supports_tma(device) or _device.interpreter_enabled()
+        if tma_args is not None and not tma_ready:
+            tma_args = None
+        if plan is None:
+            plan = _plan(M, N, K, a, _layout_key(stride_ak, stride_bk),
+                         tma_args is not None and _device.supports_tma(device), device)
+        if plan.kernel == "tma" and tma_args is None:
+            plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
+                                       warp_specialize=False)
+        split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
     else:
-        config = _heuristic_config(a, M, N, K)
-        mm_kernel[grid(config)](*args, **config)
+        # Symbolic sizes (torch.compile with dynamic shapes): one plan for every size, so that
+        # nothing guards on them; the portable kernel takes any strides.
+        plan = tuning.symbolic_mm_plan(a.element_size())
+        split_k, k_per_split = 1, K
+    workspace = (torch.empty((split_k, M, N), device=device, dtype=torch.float32)
+                 if split_k > 1 else None)
+    index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
+                                      (M, N, stride_cm, stride_cn), (split_k * M, N, N, 1)))
+    stride_bias = bias.stride(0) if bias is not None else 0
+    meta = tuning.launch_meta(plan, split_k)
+    tiles = ((M + plan.tile.block_m - 1) // plan.tile.block_m) * (
+        (N + plan.tile.block_n - 1) // plan.tile.block_n)
+    if plan.kernel == "tma":
+        _device.install_tma_allocator()
+        strides, flags = tma_args
+        kernel = mm_tma_kernel
+        grid = (min(_num_sms(device), tiles * split_k),)
+        meta = {**meta, **flags, "NUM_SMS": grid[0]}
+    else:
+        strides = (stride_am, stride_ak, stride_bk, stride_bn)
+        kernel = mm_kernel
+        grid = (tiles * split_k,)
+    # Runtime arguments in the kernels' shared order; the plan's meta-parameters come after.
+    args = (
+        a, b, out, bias, workspace, M, N, K, *strides, stride_cm, stride_cn, stride_bias,
+        k_per_split, bias is not None, activation, _input_precision(a.dtype),
+        _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
+    )
+    _launch(kernel, grid, args, meta, traceable)
+    if split_k > 1:
+        block_m, block_n, num_warps = tuning.reduce_tile(M, N)
+        reduce_grid = (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),)
+        reduce_args = (workspace, out, bias, M, N, stride_cm, stride_cn, stride_bias,
+                       bias is not None, activation, index_64)
+        reduce_meta = {"SPLIT_K": split_k, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                       "num_warps": num_warps}
+        _launch(splitk_reduce_kernel, reduce_grid, reduce_args, reduce_meta, traceable)
 
 
-def _heuristic_config(a: torch.Tensor, M: int, N: int, K: int) -> Mapping[str, Any]:
-    return tuning.mm_launch_config(tuning.heuristic_mm_tile(M, N, K, a.element_size()))
+def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
+            traceable: bool) -> None:
+    if traceable:
+        # Arguments may be symbolic here: pass them by name, as wrap_triton expects.
+        wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
+    else:
+        kernel[grid](*args, **meta)
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:

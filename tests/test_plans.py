@@ -1,0 +1,256 @@
+"""Launch plans of tgemm::mm: each kernel (persistent TMA, portable) with and without split-K,
+the heuristic, and tuned plans kept on disk.
+
+Without a GPU every plan still runs, in Triton's interpreter (which implements TMA descriptors),
+so CI checks the Hopper kernel's indexing, edges and split-K reduction on small sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from samples import FP8, make_operand, randn, reference, rel_error, tolerance
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import tuning
+from torch_triton_gemm.ops.mm import launch_mm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SMALL_TILE = tuning.TileConfig(16, 32, 32, 1, 4, 2)
+PLANS = {
+    "portable": tuning.MMPlan("portable", SMALL_TILE),
+    "portable-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3),
+    "tma": tuning.MMPlan("tma", SMALL_TILE),
+    "tma-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3),
+    "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
+                                 epilogue_subtile=2),
+}
+# (M, N, K): edges in every dimension, a K that leaves a ragged last split, M = 1, N = 1.
+SHAPES = [(37, 45, 104), (1, 40, 96), (20, 1, 64), (33, 64, 160)]
+
+
+def _poisoned(m: int, n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def _run(plan: tuning.MMPlan, a, b, bias=None, activation="none", out_dtype=None):
+    out_dtype = out_dtype or (torch.bfloat16 if a.dtype in FP8 else a.dtype)
+    out = _poisoned(a.shape[0], b.shape[1], out_dtype, a.device.type)
+    launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
+    return out
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float8_e4m3fn], ids=str)
+def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
+    """Layouts TMA can describe (row, col, nt) and ones it cannot (sliced, broadcast: the plan
+    falls back to the portable kernel), with bias and activation."""
+    for layout in ("row", "col", "nt", "sliced", "broadcast"):
+        for m, n, k in SHAPES:
+            a = make_operand(m, k, dtype, device, layout, "a")
+            b = make_operand(k, n, dtype, device, layout, "b")
+            bias = randn((n,), torch.bfloat16 if dtype in FP8 else dtype, device)
+            out = _run(PLANS[plan], a, b, bias, "gelu")
+            ref = reference(a, b, bias, "gelu")
+            assert rel_error(out, ref) <= tolerance(out.dtype, dtype), f"{layout} {m}x{n}x{k}"
+
+
+@pytest.mark.parametrize("plan", ["portable-split3", "tma-split3"])
+def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
+    a = randn((21, 200), torch.float32, device)
+    b = randn((200, 50), torch.float32, device)
+    bias = randn((50,), torch.float32, device)
+    first = _run(PLANS[plan], a, b, bias, "relu", torch.float32)
+    # relu(x + bias) applied per split and summed would differ from relu of the sum.
+    assert rel_error(first, reference(a, b, bias, "relu")) <= 2e-3
+    for _ in range(3):
+        assert torch.equal(_run(PLANS[plan], a, b, bias, "relu", torch.float32), first)
+
+
+def test_k_zero_on_a_split_plan_gives_the_epilogue_of_bias(device):
+    a = randn((5, 0), torch.float16, device)
+    b = randn((0, 7), torch.float16, device)
+    bias = randn((7,), torch.float16, device)
+    out = _run(PLANS["tma-split3"], a, b, bias, "silu")
+    assert rel_error(out, reference(a, b, bias, "silu")) <= 1e-2
+
+
+def test_force_plan_reaches_the_public_function(device):
+    a = randn((9, 64), torch.float16, device)
+    b = randn((64, 16), torch.float16, device)
+    with tuning.force_plan(PLANS["tma-split3"]):
+        out = tg.mm(a, b)
+    assert tuning.forced_plan() is None
+    assert rel_error(out, reference(a, b)) <= 1e-2
+
+
+# --- plan arithmetic ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k, block_k, asked, expected", [
+    (4096, 64, 4, (4, 1024)),
+    (4096, 64, 1, (1, 4096)),
+    (100, 64, 4, (2, 64)),      # only two BLOCK_K steps: no empty splits
+    (64, 64, 8, (1, 64)),
+    (1000, 64, 3, (3, 384)),    # ragged last split: 384 + 384 + 232
+])
+def test_effective_split(k, block_k, asked, expected):
+    assert tuning.effective_split(k, block_k, asked) == expected
+
+
+def test_heuristic_splits_k_only_when_the_output_cannot_fill_the_gpu(monkeypatch):
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    decode = tuning.heuristic_mm_plan(16, 4096, 4096, 2, True, 132)
+    assert decode.split_k > 1
+    units = -(-16 // decode.tile.block_m) * -(-4096 // decode.tile.block_n) * decode.split_k
+    assert units >= 0.9 * 132
+    large = tuning.heuristic_mm_plan(8192, 8192, 8192, 2, True, 132)
+    assert large.split_k == 1 and large.tile.block_m * large.tile.block_n >= 128 * 256
+    deep = tuning.heuristic_mm_plan(128, 128, 32768, 2, False, 132)
+    assert deep.kernel == "portable" and deep.split_k > 1
+    assert tuning.heuristic_mm_plan(8192, 8192, 128, 2, True, 132).split_k == 1
+
+
+def test_tuned_plans_round_trip_through_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_TRITON_GEMM_CACHE_DIR", str(tmp_path))
+    plan = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3), 2, True, 2)
+    key = tuning.plan_key(100, 4096, 4096, torch.bfloat16, 1, True)
+    dev = torch.device("cpu")
+    tuning.TunedPlans().put(dev, key, plan)
+    path = tuning.cache_path(dev)
+    assert path.parent == tmp_path and json.loads(path.read_text())[key]["split_k"] == 2
+    assert tuning.TunedPlans().get(dev, key) == plan
+    # Same bucket, another size: the same tuned plan.
+    assert key == tuning.plan_key(128, 4096, 4096, torch.bfloat16, 1, True)
+
+
+def test_candidates_start_with_the_heuristic_and_respect_shared_memory(monkeypatch):
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    plans = list(tuning.candidate_plans(512, 4096, 4096, 2, True, 132))
+    assert plans[0] == tuning.heuristic_mm_plan(512, 4096, 4096, 2, True, 132)
+    assert len(plans) == len(set(plans)) > 4
+    limit = tuning._device.shared_memory_per_block(0)
+    assert all(tuning.shared_memory_bytes(p.tile, 2) <= limit for p in plans)
+    assert {p.kernel for p in plans} == {"tma", "portable"}
+
+
+# --- GPU only -------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float8_e4m3fn], ids=str)
+def test_heuristic_plans_on_gpu_shape_classes(dtype, highest_fp32):
+    """Decode, skinny, deep-K, shallow-K, odd and large shapes, nn.Linear's layout and both
+    row-major and both column-major, through whatever plan the heuristic picks."""
+    shapes = [(1, 4096, 4096), (16, 6144, 4096), (64, 1024, 4096), (256, 2048, 1024),
+              (128, 128, 16384), (2048, 2048, 64), (999, 1003, 1007), (1024, 1024, 1024)]
+    for m, n, k in shapes:
+        for layout in ("nt", "row", "col"):
+            a = make_operand(m, k, dtype, "cuda", layout, "a")
+            b = make_operand(k, n, dtype, "cuda", layout, "b")
+            bias = randn((n,), torch.bfloat16 if dtype in FP8 else dtype, "cuda")
+            out = tg.mm(a, b, bias, "relu")
+            assert rel_error(out, reference(a, b, bias, "relu")) <= tolerance(out.dtype, dtype), \
+                f"{layout} {m}x{n}x{k}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["tma", "tma-split", "tma-ws"])
+def test_compiled_tma_plan_matches_eager(plan):
+    """Numbers, not just opcheck: TMA descriptors once gave NaN under torch.compile only."""
+    tile = tuning.TileConfig(128, 128, 64, 8, 8, 3)
+    chosen = {"tma": tuning.MMPlan("tma", tile, epilogue_subtile=2),
+              "tma-split": tuning.MMPlan("tma", tile, split_k=4),
+              "tma-ws": tuning.MMPlan("tma", tile, warp_specialize=True,
+                                      epilogue_subtile=2)}[plan]
+    x = randn((300, 512), torch.bfloat16, "cuda")
+    w = randn((384, 512), torch.bfloat16, "cuda")
+    bias = randn((384,), torch.bfloat16, "cuda")
+
+    def f(x, w, bias):
+        return tg.mm(x, w.t(), bias, "gelu") * 2
+
+    torch._dynamo.reset()
+    with tuning.force_plan(chosen):
+        eager = f(x, w, bias)
+        compiled = torch.compile(f, fullgraph=True)(x, w, bias)
+    assert rel_error(eager, reference(x, w.t(), bias, "gelu") * 2) <= 1e-2
+    assert torch.isfinite(compiled).all()
+    torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.gpu
+def test_split_k_in_a_cuda_graph_is_deterministic():
+    x = randn((16, 4096), torch.bfloat16, "cuda")
+    w = randn((4096, 4096), torch.bfloat16, "cuda")
+    tg.mm(x, w.t())  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tg.mm(x, w.t())
+    x.copy_(randn((16, 4096), torch.bfloat16, "cuda"))
+    graph.replay()
+    first = out.clone()
+    assert rel_error(first, reference(x, w.t())) <= 1e-2
+    for _ in range(5):
+        graph.replay()
+        assert torch.equal(out, first)
+
+
+def _compiled_variants(kernel) -> int:  # type: ignore[no-untyped-def]
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+@pytest.mark.gpu
+def test_a_serving_loop_over_every_batch_size_does_not_compile_per_size():
+    from torch_triton_gemm.kernels import matmul
+
+    w = randn((1024, 512), torch.bfloat16, "cuda")
+    for m in range(1, 300):
+        x = randn((m, 512), torch.bfloat16, "cuda")
+        out = tg.mm(x, w.t())
+    assert rel_error(out, reference(x, w.t())) <= 1e-2
+    compiled = sum(_compiled_variants(k) for k in (matmul.mm_kernel, matmul.mm_tma_kernel,
+                                                   matmul.splitk_reduce_kernel))
+    # One kernel per plan the heuristic picks across the size classes, not one per size.
+    assert compiled <= 30
+
+
+@pytest.mark.gpu
+def test_a_second_process_reuses_tuned_plans_without_tuning(tmp_path):
+    env = dict(os.environ, TORCH_TRITON_GEMM_CACHE_DIR=str(tmp_path))
+    script = textwrap.dedent("""
+        import sys, torch, torch_triton_gemm as tg
+        from torch_triton_gemm import tuning, tune
+        a = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16).t()
+        key = tuning.plan_key(48, 256, 512, torch.bfloat16, 3, True)
+        if sys.argv[1] == "tune":
+            best, timings = tune.tune_mm(a, b, rep_ms=5)
+            assert len(timings) > 3
+            print(best)
+        else:
+            calls = []
+            tune.tune_mm = lambda *a, **k: calls.append(1)
+            plan = tuning.TUNED.get(torch.device("cuda"), key)
+            assert plan is not None
+            out = tg.mm(a, b)
+            assert calls == [] and torch.isfinite(out).all()
+            print(plan)
+    """)
+    first = subprocess.run([sys.executable, "-c", script, "tune"], cwd=REPO, env=env,
+                           capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run([sys.executable, "-c", script, "use"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert first.stdout == second.stdout
