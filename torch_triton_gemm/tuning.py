@@ -173,18 +173,28 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         tile = TileConfig(128, 128, 64, 8, 8, 5)
     else:
         tile = TileConfig(64, 128, 64, 8, 4, 4)
-    tile = _for_dtype(tile, element_size)
+    tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size,
+                              _device.shared_memory_per_block(0))
     split = _split_for(m, n, k, tile, num_sms)
     if kernel == "tma" and tma:
         return MMPlan("tma", tile, split, epilogue_subtile=2 if tile.block_n >= 128 else 1)
     return MMPlan("portable", tile, split)
 
 
+def _fit_shared_memory(tile: TileConfig, element_size: int, limit: int) -> TileConfig:
+    # Fewer pipeline stages on GPUs with less shared memory than an H100 (sm_80/86/89).
+    while tile.num_stages > 2 and shared_memory_bytes(tile, element_size) > limit:
+        tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    return tile
+
+
 def symbolic_mm_plan(element_size: int) -> MMPlan:
     """The plan for symbolic sizes (torch.compile with dynamic shapes): one for all sizes."""
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
-    return MMPlan("portable", _for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size))
+    tile = _for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size)
+    return MMPlan("portable", _fit_shared_memory(tile, element_size,
+                                                 _device.shared_memory_per_block(0)))
 
 
 def reduce_tile(m: int, n: int) -> tuple[int, int, int]:
