@@ -6,7 +6,7 @@ tgemm. Wrapping the step in ``override()`` moves every ``nn.Linear`` (forward an
 tgemm::mm.
 
 On a GPU it prints the median step time each way (CUDA events, after warm-up, which includes
-tgemm's autotuning) and the losses. Without a GPU it runs one tiny step each way in Triton's CPU
+tgemm's kernel compiles) and the losses. Without a GPU it runs one tiny step each way in Triton's CPU
 interpreter and prints the losses; timings there mean nothing.
 
     python examples/dropin.py                          # GPU

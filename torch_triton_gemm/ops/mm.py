@@ -179,17 +179,23 @@ def _tma_arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
     return strides, flags
 
 
-def _plan(M: int, N: int, K: int, a: torch.Tensor, layout: int, tma: bool,
-          device: torch.device) -> tuning.MMPlan:
+def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
+          layout: int, tma: bool, eager: bool) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
-    heuristic's. No tuning sweep happens here: tuning is the tune module's job."""
+    heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
+    plain eager call outside CUDA-graph capture."""
     forced = tuning.forced_plan()
     if forced is not None:
         return forced
+    (M, K), N, device = a.shape, b.shape[1], a.device
     if device.type == "cuda":
         plan = tuning.TUNED.get(device, tuning.plan_key(M, N, K, a.dtype, layout, tma))
         if plan is not None:
             return plan
+        if eager and tuning.autotune_enabled() and not torch.cuda.is_current_stream_capturing():
+            from ..tune import tune_mm
+
+            return tune_mm(a, b, bias, activation)[0]
     return tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device))
 
 
@@ -248,8 +254,8 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         if tma_args is not None and not tma_ready:
             tma_args = None
         if plan is None:
-            plan = _plan(M, N, K, a, _layout_key(stride_ak, stride_bk),
-                         tma_args is not None and _device.supports_tma(device), device)
+            plan = _plan(a, b, bias, activation, _layout_key(stride_ak, stride_bk),
+                         tma_args is not None and _device.supports_tma(device), not traceable)
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
