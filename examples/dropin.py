@@ -5,9 +5,9 @@ The model is plain ``torch.nn`` (embedding, RMSNorm, attention with q/k/v/o ``nn
 tgemm. Wrapping the step in ``override()`` moves every ``nn.Linear`` (forward and backward) onto
 tgemm::mm.
 
-On a GPU it prints the median step time each way (CUDA events, after warm-up, which includes
-tgemm's kernel compiles) and the losses. Without a GPU it runs one tiny step each way in Triton's CPU
-interpreter and prints the losses; timings there mean nothing.
+On a GPU it prints the median step time each way (CUDA events, after a warm-up that includes
+tgemm's kernel compiles) and the losses. Without a GPU it runs one tiny step each way in Triton's
+CPU interpreter and prints the losses; timings there mean nothing.
 
     python examples/dropin.py                          # GPU
     python examples/dropin.py --compile                # GPU, both runs under torch.compile

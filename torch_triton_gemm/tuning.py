@@ -68,9 +68,12 @@ MM_TILES: tuple[TileConfig, ...] = (
     # Skinny M (decode, small batches): memory-bound on B, so narrow M tiles, narrow N tiles for
     # enough programs to fill the SMs, and deep K steps to keep many bytes in flight.
     TileConfig(16, 32, 256, 1, 4, 4),
+    TileConfig(16, 32, 128, 1, 4, 8),
     TileConfig(16, 64, 256, 1, 4, 4),
     TileConfig(16, 64, 128, 1, 4, 6),
+    TileConfig(16, 64, 128, 1, 2, 8),
     TileConfig(16, 128, 128, 1, 4, 4),
+    TileConfig(16, 128, 64, 1, 4, 8),
     TileConfig(32, 64, 128, 1, 4, 4),
     TileConfig(32, 128, 128, 4, 4, 4),
     TileConfig(64, 64, 128, 4, 4, 4),
@@ -327,7 +330,10 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
             continue
         # The TMA kernel also stages a slice of C in shared memory for its store.
         tma_fits = shared_memory_bytes(tile, element_size) + tile.block_m * tile.block_n * 2 <= smem
-        for split in sorted({1, _split_for(m, n, k, tile, num_sms)}):
+        split = _split_for(m, n, k, tile, num_sms)
+        # Memory-bound skinny shapes may gain from more bytes in flight than one wave holds.
+        splits = {1, split, 2 * split} if m <= 32 else {1, split}
+        for split in sorted(splits):
             for kernel in kernels:
                 if kernel == "tma" and not tma_fits:
                     continue

@@ -70,16 +70,17 @@ def mm_tma_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     SPLIT_K: tl.constexpr,
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
-    NUM_SMS: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Persistent: NUM_SMS programs each loop over work units (tile of C x K split) in L2-grouped
-    # order, stepping by NUM_SMS, so no wave of programs is left half-empty and one unit's
-    # epilogue overlaps the next unit's first loads. A and B tiles arrive by TMA (zero-filled
-    # past the edges, so no masks) through a software pipeline of num_stages buffers, optionally
-    # with producer/consumer warp specialization. The epilogue adds bias and applies the
-    # activation in fp32, casts, and stores by TMA in EPILOGUE_SUBTILE column slices (or with
-    # masked pointers when C cannot be described; an fp32 partial when K is split).
+    # Persistent: one program per SM, each looping over work units (tile of C x K split) in
+    # L2-grouped order, stepping by the number of programs, so no wave of programs is left
+    # half-empty and one unit's epilogue overlaps the next unit's first loads. A and B tiles
+    # arrive by TMA (zero-filled past the edges, so no masks) through a software pipeline of
+    # num_stages buffers, optionally with producer/consumer warp specialization. The epilogue
+    # adds bias and applies the activation in fp32, casts, and stores by TMA in
+    # EPILOGUE_SUBTILE column slices (or with masked pointers when C cannot be described; an
+    # fp32 partial when K is split).
     # The runtime arguments match mm_kernel's, so both launch from one argument tuple.
     start = tl.program_id(axis=0)
     a_desc = operand_descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K,
@@ -91,7 +92,7 @@ def mm_tma_kernel(
                                            block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
     tiles_mn = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
-    for unit in tl.range(start, tiles_mn * SPLIT_K, NUM_SMS, flatten=True,
+    for unit in tl.range(start, tiles_mn * SPLIT_K, tl.num_programs(axis=0), flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
         split = unit // tiles_mn
         pid_m, pid_n = grouped_tile(unit % tiles_mn, M, N, BLOCK_M, BLOCK_N, GROUP_M)

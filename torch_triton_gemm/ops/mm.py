@@ -278,7 +278,7 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         strides, flags = tma_args
         kernel = mm_tma_kernel
         grid = (min(_num_sms(device), tiles * split_k),)
-        meta = {**meta, **flags, "NUM_SMS": grid[0]}
+        meta = {**meta, **flags}
     else:
         strides = (stride_am, stride_ak, stride_bk, stride_bn)
         kernel = mm_kernel
