@@ -96,6 +96,7 @@ def name(device: torch.device) -> str:
     return _name(_index(device))
 
 
+@functools.cache
 def supports_tma(device: torch.device) -> bool:
     """Whether compiled kernels on ``device`` can use TMA descriptors (Hopper, sm_90, or newer)."""
     if device.type != "cuda" or interpreter_enabled() or not torch.cuda.is_available():

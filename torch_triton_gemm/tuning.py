@@ -140,15 +140,16 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
                       num_sms: int) -> MMPlan:
     """The plan used for a shape nobody tuned, from its size class (rules read off kernel-only
-    timings of candidate plans on an H100; see the tune module's --report).
+    timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
-    - decode and small batches (M <= 32): memory-bound on B; narrow M tiles on the portable
+    - M <= 32 (decode, small batches): memory-bound on B; 16- or 32-row tiles on the portable
       kernel (it streamed B faster than TMA there), K split until about one SM wave is busy;
-    - deep K (K >= 4 x max(M, N)): few output tiles, long K loops: 128x128 tiles (64x64 when
-      even those are very few) and K splits;
-    - at least two waves of 128x256 tiles: the persistent TMA kernel with 128x256 tiles, its
-      epilogue stored in two slices;
-    - about one wave of 128x256 tiles: 128x256 tiles, 4 stages, wide L2 bands;
+    - M <= 128: 64x64 tiles with deep K steps, K split likewise;
+    - operands TMA cannot describe (odd leading dimensions): 128x128 tiles, 5 stages, and a
+      K split when the tiles leave SMs idle;
+    - deep K (K >= 4 x max(M, N)): 128x128 tiles (64x64 when even those are very few), K split;
+    - at least 0.7 of a wave of 128x256 tiles: the persistent TMA kernel with 128x256 tiles,
+      its epilogue stored in two slices (wide L2 bands and 4 stages below two waves);
     - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles.
     """
     if _device.interpreter_enabled():
@@ -158,10 +159,14 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         return -(-m // bm) * -(-n // bn)
 
     kernel = "portable"
-    if m <= 32:
-        block_n = 128 if -(-n // 128) >= num_sms else 64
-        tile = (TileConfig(16, block_n, 128, 1, 4, 6) if m <= 16
-                else TileConfig(32, block_n, 128, 4, 4, 4))
+    if m <= 16:
+        tile = TileConfig(16, 128, 128, 1, 4, 4)
+    elif m <= 32:
+        tile = TileConfig(32, 64, 128, 4, 4, 4)
+    elif m <= 128:
+        tile = TileConfig(64, 64, 128, 4, 4, 4)
+    elif not tma:
+        tile = TileConfig(128, 128, 64, 8, 8, 5)
     elif k >= DEEP_K_RATIO * max(m, n):
         kernel = "tma"
         tile = (TileConfig(128, 128, 64, 8, 8, 5) if tiles(128, 128) >= 16
@@ -170,6 +175,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         kernel = "tma"
         tile = TileConfig(128, 256, 64, 8, 8, 3)
     elif tiles(128, 256) >= 0.7 * num_sms:
+        kernel = "tma"
         tile = TileConfig(128, 256, 64, 16, 8, 4)
     elif tiles(128, 128) >= 0.7 * num_sms:
         kernel = "tma"
@@ -253,6 +259,7 @@ def plan_key(m: int, n: int, k: int, dtype: torch.dtype, layout: int, tma: bool)
             f"{size_bucket(m)}x{size_bucket(n)}x{size_bucket(k)}")
 
 
+@functools.cache
 def _kernel_source_hash() -> str:
     kernels = Path(__file__).parent / "kernels"
     digest = hashlib.sha256()
@@ -270,11 +277,15 @@ def cache_path(device: torch.device) -> Path:
 
 
 class TunedPlans:
-    """The tuned table of one device: read from disk on first use, written after each tuning."""
+    """The tuned tables: each read from disk on first use, written after each tuning.
+
+    ``version`` changes with every stored plan, so callers may memoise lookups per version.
+    """
 
     def __init__(self) -> None:
         self._tables: dict[Path, dict[str, MMPlan]] = {}
         self._lock = threading.Lock()
+        self.version = 0
 
     def _table(self, device: torch.device) -> tuple[Path, dict[str, MMPlan]]:
         path = cache_path(device)
@@ -294,6 +305,7 @@ class TunedPlans:
         with self._lock:
             path, table = self._table(device)
             table[key] = plan
+            self.version += 1
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({k: _plan_to_json(p) for k, p in sorted(table.items())},

@@ -188,15 +188,28 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
     if forced is not None:
         return forced
     (M, K), N, device = a.shape, b.shape[1], a.device
+    # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
+    memo_key = (M, N, K, a.dtype, layout, tma, device, tuning.TUNED.version)
+    plan = _PLANS.get(memo_key)
+    if plan is not None:
+        return plan
     if device.type == "cuda":
         plan = tuning.TUNED.get(device, tuning.plan_key(M, N, K, a.dtype, layout, tma))
-        if plan is not None:
-            return plan
-        if eager and tuning.autotune_enabled() and not torch.cuda.is_current_stream_capturing():
+        if plan is None and eager and tuning.autotune_enabled() and (
+                not torch.cuda.is_current_stream_capturing()):
             from ..tune import tune_mm
 
             return tune_mm(a, b, bias, activation)[0]
-    return tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device))
+    if plan is None:
+        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device))
+    if len(_PLANS) >= _PLANS_LIMIT:
+        _PLANS.clear()
+    _PLANS[memo_key] = plan
+    return plan
+
+
+_PLANS: dict[tuple[Any, ...], tuning.MMPlan] = {}
+_PLANS_LIMIT = 4096
 
 
 def _num_sms(device: torch.device) -> int:
