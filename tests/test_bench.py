@@ -465,3 +465,86 @@ def test_help_and_list_run_without_plotting_packages():
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m torch_triton_gemm.bench")
+
+
+# --- on a GPU: small rows through the real measurements -----------------------------------------
+
+FAST = timing.TimingSettings(warmup_ms=5, rep_ms=10, rounds=1, max_calls=4)
+
+
+@pytest.mark.gpu
+def test_gpu_mm_row_times_both_ways_and_checks_accuracy():
+    from torch_triton_gemm.bench import gemm
+
+    r = gemm.measure_mm(Case("square", "512^3", 512, 512, 512), "bf16", FAST,
+                        torch.device("cuda"))
+    assert not r.error, r.error
+    for impl in ("tgemm", "torch"):
+        for kind in ("kernel", "eager"):
+            assert r.time_ms(impl, kind) > 0, (impl, kind)
+    assert r.err_vs == "fp64" and r.rel_err < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_only_leaves_out_host_time():
+    from torch_triton_gemm.bench import gemm
+
+    # 64^3 takes a few microseconds on the GPU, far less than an eager call's host time.
+    r = gemm.measure_mm(Case("latency", "64^3", 64, 64, 64), "bf16", FAST, torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.time_ms("tgemm", "eager") > 2 * r.time_ms("tgemm", "kernel")
+
+
+@pytest.mark.gpu
+def test_gpu_latency_row():
+    from torch_triton_gemm.bench import gemm
+
+    [r] = gemm.run_latency([Case("latency", "64^3", 64, 64, 64)], ["bf16"], torch.device("cuda"))
+    assert not r.error, r.error
+    assert set(r.host_us) == {"torch.ops.tgemm.mm", "tgemm.mm", "torch.mm"}
+    assert all(0 < us < 10_000 for us in r.host_us.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", list(suites.GROUPED_FORMS))
+def test_gpu_grouped_row(form):
+    if grouped.missing_reason():
+        pytest.skip(grouped.missing_reason())
+    case = GroupedCase("t", form, groups=4, tokens=512, n=256, k=128, routing="skewed")
+    r = grouped.measure_grouped(case, FAST, torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.rel_err < 1e-2 and r.time_ms("tgemm") > 0 and r.time_ms("loop", "eager") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(suites.SCALED_RECIPES))
+def test_gpu_scaled_row(recipe):
+    if scaled.missing_reason():
+        pytest.skip(scaled.missing_reason())
+    r = scaled.measure_scaled(ScaledCase("t", 256, 512, 384, recipe), FAST,
+                              torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.rel_err < 1e-2 and r.time_ms("tgemm") > 0
+
+
+@pytest.mark.gpu
+def test_gpu_coldstart_program_times_its_steps():
+    from torch_triton_gemm.bench import coldstart
+
+    result = coldstart.measure("plain", steps=2)
+    assert len(result["step_s"]) == 2 and all(s > 0 for s in result["step_s"])
+    assert math.isfinite(result["loss"])
+
+
+@pytest.mark.gpu
+def test_gpu_command_line_prints_the_summary_last(tmp_path, capsys):
+    argv = ["--suite", "odd", "--quick", "--rounds", "1", "--warmup", "5", "--rep", "10",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("mm odd") < out.index("summary:")
+    assert _cells(out, "odd bf16")[2] == "2"  # both quick rows measured
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(float(r["ratio"]) > 0 and not r["error"] for r in rows)
+    assert (tmp_path / "results.md").read_text().startswith("# torch_triton_gemm benchmark")

@@ -21,7 +21,6 @@ from .results import (
     RunResults,
     safe_ratio,
 )
-from .suites import SCALED_RECIPES
 
 # --- tables -------------------------------------------------------------------------------------
 
@@ -277,10 +276,8 @@ def summary_rows(results: RunResults) -> list[list[str]]:
         rows.append(_summary_row("grouped vs torch", "bf16", results.grouped))
         rows.append(_summary_row("grouped vs loop", "bf16", results.grouped, peer="loop"))
     by_recipe = _grouped_by(results.scaled, lambda r: (r.case.recipe, r.dtype))
-    for recipe in SCALED_RECIPES:
-        for (name, dtype), group in by_recipe.items():
-            if name == recipe:
-                rows.append(_summary_row(f"scaled {recipe}", dtype, group))
+    rows += [_summary_row(f"scaled {recipe}", dtype, group)
+             for (recipe, dtype), group in by_recipe.items()]
     return rows
 
 

@@ -5,16 +5,17 @@ Two timings per implementation, from the same back-to-back calls:
 - eager: a batch of ``calls`` plain Python calls, bracketed by CUDA events. Batches are queued
   back to back without synchronising, so a call costs whichever is longer, the host's time to
   issue it or the GPU's time to run it: what eager PyTorch code sees.
-- kernel-only: the same batch captured once in a CUDA graph and replayed. The host launches one
+- kernel-only: the same batch captured in a CUDA graph and replayed. The host launches one
   graph per batch, so the time is the GPU's alone (what ``torch.compile(mode="reduce-overhead")``
   and CUDA-graph serving see).
 
-(``triton.testing.do_bench`` clears the L2 cache with a 256 MB memset before every call and
-times each call alone; on a fast GPU that memset hides up to ~80 us of host time per call, so it
-measures neither of the above for small GEMMs.) Calls cycle through several copies of the
-operands, enough to span 256 MB, so that, as with do_bench's memset, each call reads operands
+Calls cycle through copies of the operands spanning 256 MB, so that each call reads operands
 that are not in L2. A batch lasts about 1 ms (at most ``max_calls`` calls): short enough to
 measure many batches, long enough that the gaps between batches do not count.
+
+(``triton.testing.do_bench`` instead clears L2 with a 256 MB memset before every call and times
+each call alone. While the GPU runs that memset, tens of microseconds, the host issues the next
+call, so a small GEMM's host time is hidden: it measures neither of the above.)
 
 The implementations of one row are timed in alternating order, ``rounds`` times, and each keeps
 its best median, so a clock or power dip during one measurement does not decide the ratio.
