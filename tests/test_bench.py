@@ -1,0 +1,550 @@
+"""torch_triton_gemm.bench without a GPU: options, the suites against the benchmark shape list,
+tables, summary, CSV, the helpers that build grouped and fp8 inputs, and ``--help`` / ``--list``
+in a fresh process with the optional plotting packages blocked. No tgemm kernel runs here; the
+GPU measurements themselves run on a GPU only (``python -m torch_triton_gemm.bench --quick``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torch_triton_gemm.bench import cli, e2e, grouped, report, scaled, suites, timing
+from torch_triton_gemm.bench.results import (
+    ColdStartResult,
+    E2EResult,
+    GemmResult,
+    LatencyResult,
+    RunResults,
+)
+from torch_triton_gemm.bench.suites import Case, GroupedCase, ScaledCase
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --- options ------------------------------------------------------------------------------------
+
+
+def test_default_options():
+    args = cli.parse_args([])
+    assert args.suite == list(suites.DEFAULT_SUITES)
+    assert "grouped" not in args.suite and "scaled" not in args.suite
+    assert args.dtypes == ["bf16", "fp16"]
+    assert (args.warmup, args.rep, args.rounds, args.calls) == (25, 100, 2, 16)
+    assert not (args.quick or args.list or args.markdown)
+    assert args.csv is None and args.plot is None and args.out is None
+
+
+def test_quick_runs_bf16_unless_told_otherwise():
+    assert cli.parse_args(["--quick"]).dtypes == ["bf16"]
+    assert cli.parse_args(["--quick", "--dtypes", "fp16,bf16"]).dtypes == ["fp16", "bf16"]
+    assert cli.parse_args(["--dtypes", "half,float16,bfloat16"]).dtypes == ["fp16", "bf16"]
+
+
+def test_suite_names_groups_and_run_order():
+    assert cli.parse_args(["--suite", "scaled,square"]).suite == ["square", "scaled"]
+    assert cli.parse_args(["--suite", "mm"]).suite == list(suites.MM_SUITES)
+    assert cli.parse_args(["--suite", "all"]).suite == list(suites.ALL_SUITES)
+    assert cli.parse_args(["--suite", "grouped,mm, grouped"]).suite == [
+        *suites.MM_SUITES, "grouped"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "nope"], "unknown suite 'nope'"),
+    (["--suite", ","], "no suite given"),
+    (["--dtypes", "fp64"], "unknown dtype 'fp64'"),
+    (["--rounds", "0"], "expected a positive integer"),
+])
+def test_bad_options_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+# --- suites against the shape list --------------------------------------------------------------
+
+# Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
+SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
+                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
+                     "scaled": 42}
+
+
+def test_suite_row_counts_match_the_shape_list():
+    assert set(SHAPE_LIST_COUNTS) == set(suites.ALL_SUITES)
+    for suite, count in SHAPE_LIST_COUNTS.items():
+        assert suites.suite_row_count(suite) == count, suite
+        assert 0 < suites.suite_row_count(suite, quick=True) <= count, suite
+
+
+def _shapes(suite: str) -> set[tuple[int, int, int]]:
+    return {(c.m, c.n, c.k) for c in suites.suite_cases(suite)}
+
+
+def test_mm_suite_shapes():
+    layers = {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)}
+    for suite, ms in (("llama", {1, 16, 64, 128, 512, 2048, 8192}), ("decode", {2, 4, 8, 32})):
+        assert _shapes(suite) == {(m, n, k) for m in ms for n, k in layers}
+    assert _shapes("square") == {(s, s, s) for s in (1024, 2048, 4096, 8192)}
+    assert _shapes("odd") == {(999, 1003, 1007), (1500,) * 3, (2047, 2049, 2051), (3000,) * 3}
+    assert _shapes("deepk") == {(128, 128, 32768), (512, 512, 65536), (1024, 1024, 16384)}
+    assert _shapes("shallowk") == {(8192, 8192, 128), (32768, 4096, 32)}
+    assert _shapes("latency") == {(64, 64, 64), (1, 6144, 4096)}
+    layouts = {(c.a_layout, c.b_layout) for c in suites.suite_cases("layouts")}
+    assert layouts == {("row", "row"), ("col", "col")}
+    others = [c for s in suites.MM_SUITES if s != "layouts" for c in suites.suite_cases(s)]
+    assert all((c.a_layout, c.b_layout) == ("row", "col") for c in others)
+    assert suites.build_cases(["odd", "e2e", "square"]) == [
+        *suites.suite_cases("square"), *suites.suite_cases("odd")]
+
+
+def test_memory_bound_rows_are_the_skinny_ones():
+    bound = {c.label() for s in suites.MM_SUITES for c in suites.suite_cases(s) if c.memory_bound}
+    assert all(c.memory_bound for c in suites.suite_cases("decode"))
+    assert all(c.memory_bound == (c.m <= 64) for c in suites.suite_cases("llama"))
+    assert "shallowk 32768x4096x32" in bound
+    assert not any(label.startswith(("square", "odd", "layouts")) for label in bound)
+
+
+def test_grouped_suite_cases():
+    cases = suites.grouped_cases()
+    mixtral = [c for c in cases if c.name == "mixtral"]
+    assert {(c.form, c.tokens) for c in mixtral} == {
+        (f, t) for f in ("fwd", "fwd+bwd", "wgrad") for t in (2048, 8192, 32768)}
+    assert all((c.groups, c.k, c.n, c.routing) == (8, 4096, 14336, "balanced") for c in mixtral)
+    deepseek = [c for c in cases if c.name == "deepseek"]
+    assert {(c.form, c.routing) for c in deepseek} == {
+        (f, r) for f in ("fwd", "fwd+bwd") for r in ("balanced", "skewed")}
+    assert all((c.groups, c.k, c.n, c.tokens) == (256, 7168, 2048, 32768) for c in deepseek)
+    for c in cases:
+        assert sum(c.group_sizes()) == c.tokens and len(c.group_sizes()) == c.groups
+    assert GroupedCase("m", "fwd+bwd", 8, 2048, 14336, 4096).flops == 3 * 2 * 2048 * 14336 * 4096
+
+
+def test_skewed_routing_is_zipf_like_with_empty_experts():
+    sizes = suites.skewed_sizes(32768, 256)
+    assert sizes == suites.skewed_sizes(32768, 256)  # the same on every run
+    assert sum(sizes) == 32768 and all(s % suites.GROUP_ALIGN == 0 for s in sizes)
+    empty = sum(s == 0 for s in sizes)
+    assert 0 < empty < 256 // 4
+    assert max(sizes) > 10 * 32768 // 256 and max(sizes) < 32768 // 2
+    assert sizes != sorted(sizes, reverse=True)  # shuffled, not in rank order
+    assert suites.balanced_sizes(32768, 256) == [128] * 256
+
+
+def test_scaled_suite_cases():
+    cases = suites.scaled_cases()
+    shapes = {(c.m, c.n, c.k) for c in cases}
+    llama = {(m, n, k) for m in (16, 2048, 8192)
+             for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
+    assert shapes == {(4096,) * 3, (8192,) * 3} | llama
+    for recipe in suites.SCALED_RECIPES:
+        assert sum(c.recipe == recipe for c in cases) == len(shapes)
+    # 128x128 blocks tile every weight; torch._scaled_mm wants sizes divisible by 16.
+    assert all(c.n % 128 == 0 and c.k % 128 == 0 and c.m % 16 == 0 for c in cases)
+
+
+# --- --list -------------------------------------------------------------------------------------
+
+def test_list_prints_suites_and_row_counts(capsys):
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for suite, count in SHAPE_LIST_COUNTS.items():
+        assert any(line.split()[:2] == [suite, str(count)] for line in out.splitlines()), suite
+    per_dtype = sum(SHAPE_LIST_COUNTS[s] for s in suites.DEFAULT_SUITES if suites.per_dtype(s))
+    fixed = SHAPE_LIST_COUNTS["e2e"] + SHAPE_LIST_COUNTS["coldstart"]
+    assert f"{2 * per_dtype + fixed} rows would run" in out
+
+
+def test_list_with_suites_shows_their_shapes(capsys):
+    assert cli.main(["--list", "--quick", "--suite", "decode,grouped,scaled"]) == 0
+    out = capsys.readouterr().out
+    assert "decode  gate_up" in out and "empty groups" in out and "blockwise" in out
+    quick = (suites.suite_row_count("decode", True) + suites.suite_row_count("grouped", True)
+             + suites.suite_row_count("scaled", True))
+    assert f"{quick} rows would run (--quick)" in out
+
+
+# --- tables, summary, CSV -----------------------------------------------------------------------
+
+QKV_M1 = Case("llama", "qkv", 1, 6144, 4096)
+O_M16 = Case("llama", "o", 16, 4096, 4096)
+SQUARE = Case("square", "4096^3", 4096, 4096, 4096)
+
+
+def _mm_results() -> list[GemmResult]:
+    return [
+        GemmResult(QKV_M1, "bf16", {"tgemm": 0.020, "torch": 0.025},
+                   {"tgemm": 0.050, "torch": 0.020}, 1.5e-3, "fp64", 0.7),
+        GemmResult(O_M16, "bf16", {"tgemm": 0.040, "torch": 0.020},
+                   {"tgemm": 0.060, "torch": 0.030}, 1.6e-3, "fp64", 0.1),
+        GemmResult(SQUARE, "bf16", {"tgemm": 0.200, "torch": 0.400},
+                   {"tgemm": 0.210, "torch": 0.420}, 0.0, "torch", 2.0,
+                   note="torch: no CUDA graph (RuntimeError: x)"),
+        GemmResult(SQUARE, "fp16", error="OutOfMemoryError: out of memory"),
+    ]
+
+
+def _cells(table: str, first: str) -> list[str]:
+    """The cells (split on spaces) of the table line whose first cells are those of ``first``."""
+    head = first.split()
+    return next(cells for cells in map(str.split, table.splitlines())
+                if cells[:len(head)] == head)
+
+
+def test_mm_table_has_both_ratios_and_bandwidth_on_memory_bound_rows():
+    table = report.mm_section(_mm_results(), "mm llama").render()
+    headers = table.splitlines()[1]
+    for column in ("tgemm TFLOP/s", "torch TFLOP/s", "ratio kernel", "ratio eager",
+                   "tgemm GB/s", "torch GB/s", "rel err", "err vs"):
+        assert column in headers
+    qkv = _cells(table, "llama qkv")
+    # 2*1*6144*4096 flops in 20 us; (4096 + 4096*6144 + 6144) * 2 bytes in 20 and 25 us.
+    tflops = 2 * 6144 * 4096 / 20e-6 / 1e12
+    gbps = (4096 + 4096 * 6144 + 6144) * 2 / 20e-6 / 1e9
+    assert qkv[6:12] == [f"{tflops:.2f}", f"{tflops * 0.8:.2f}", "1.25", "0.40",
+                         f"{gbps:.0f}", f"{gbps * 0.8:.0f}"]
+    square = _cells(table, "square 4096^3 4096 4096 4096 bf16")
+    assert square[8:] == ["2.00", "2.00", "0.00e+00", "torch"]  # no GB/s: compute-bound
+    assert _cells(table, "square 4096^3 4096 4096 4096 fp16")[6:] == ["n/a"] * 4 + ["ERROR"]
+    assert "ERROR square 4096^3 fp16: OutOfMemoryError: out of memory" in table
+    assert "note square 4096^3 bf16: torch: no CUDA graph" in table
+
+
+def test_markdown_table():
+    md = report.mm_section(_mm_results()[:1]).render(markdown=True).splitlines()
+    assert md[0] == "## mm"
+    assert md[2].startswith("| suite | name | M | N | K | dtype | tgemm TFLOP/s |")
+    assert md[3].startswith("| :--- | :--- | ---: |")
+    assert md[4].startswith("| llama | qkv | 1 | 6144 | 4096 | bf16 |")
+
+
+def test_geometric_mean():
+    assert report.geometric_mean([0.5, 2.0]) == pytest.approx(1.0)
+    assert report.geometric_mean([4.0, math.nan, 0.0, 1.0]) == pytest.approx(2.0)
+    assert math.isnan(report.geometric_mean([math.nan]))
+
+
+def _run_results() -> RunResults:
+    return RunResults(
+        mm=_mm_results(),
+        latency=[LatencyResult(Case("latency", "64^3", 64, 64, 64), "bf16",
+                               {"torch.ops.tgemm.mm": 60.0, "tgemm.mm": 30.0, "torch.mm": 10.0})],
+        grouped=[GemmResult(GroupedCase("mixtral", "fwd", 8, 8192, 14336, 4096), "bf16",
+                            {"tgemm": 2.0, "torch": 2.2, "loop": 3.0},
+                            {"tgemm": 2.1, "torch": 2.3, "loop": 4.2}, 2e-3, "fp32", 1.0)],
+        scaled=[GemmResult(ScaledCase("4096^3", 4096, 4096, 4096, "blockwise"), "fp8",
+                           {"tgemm": 0.1}, {"tgemm": 0.12}, 3e-3, "fp32 deq", 1.0,
+                           note="torch._scaled_mm n/a (RuntimeError: unsupported)"),
+                GemmResult(ScaledCase("4096^3", 4096, 4096, 4096, "rowwise"), "fp8",
+                           {"tgemm": 0.1, "torch": 0.09}, {"tgemm": 0.1, "torch": 0.09},
+                           3e-3, "fp32 deq", 1.0)],
+        e2e=E2EResult("2 Llama blocks", "bf16", 45.0, 50.0, 0.0),
+        coldstart=[ColdStartResult("plain", 2.0, 100.0, 20.0, 10.4),
+                   ColdStartResult("override, cold caches", 30.0, 101.0, 50.0, 10.4),
+                   ColdStartResult("override, warm caches", error="TimeoutExpired: 300 s")],
+        notes=["something: skipped (a reason)"],
+    )
+
+
+def test_summary_geomeans_per_suite_and_dtype_and_worst_row():
+    text = report.summary(_run_results())
+    llama = _cells(text, "llama")
+    # kernel-only ratios 1.25 and 0.5, eager 0.4 and 0.5: geometric means 0.79 and 0.45.
+    assert llama[:5] == ["llama", "bf16", "2", f"{math.sqrt(1.25 * 0.5):.2f}",
+                         f"{math.sqrt(0.4 * 0.5):.2f}"]
+    assert llama[5:] == ["llama", "o", "M=16", "0.50"]
+    assert _cells(text, "square fp16")[2:6] == ["0", "(1", "failed)", "n/a"]
+    assert _cells(text, "grouped vs torch")[3:7] == ["bf16", "1", "1.10", "1.10"]
+    assert _cells(text, "grouped vs loop")[3:7] == ["bf16", "1", "1.50", "2.00"]
+    assert _cells(text, "scaled rowwise")[3:5] == ["1", "0.90"]
+    assert _cells(text, "scaled blockwise")[3:5] == ["1", "n/a"]  # torch cannot: no ratio
+    assert "worst row (kernel-only, vs torch): llama o M=16 bf16 0.50x" in text
+    assert "latency 64^3 bf16, host time per call: tgemm.mm 30.0 us (3.00x torch.mm)" in text
+    assert "e2e: override step 50.0 ms vs plain 45.0 ms: 1.11x the plain time" in text
+    assert ("coldstart first step: plain 2.00 s, override, cold caches 30.00 s (15.00x), "
+            "override, warm caches n/a (n/a)") in text
+    assert "2 rows failed" in text and "something: skipped (a reason)" in text
+    assert text.splitlines()[-1].strip() == "something: skipped (a reason)"
+
+
+def test_every_section_renders():
+    results = _run_results()
+    titles = [s.title.split(":")[0] for s in report.sections(results)]
+    assert titles == ["mm llama", "mm square", "latency", "grouped", "scaled", "e2e",
+                      "coldstart"]
+    text = "\n".join(s.render() for s in report.sections(results))
+    assert _cells(text, "64^3")[5:] == ["60.0", "30.0", "10.0", "6.00", "3.00"]
+    assert _cells(text, "mixtral")[7:14] == [
+        *(f"{2 * 8192 * 14336 * 4096 / (ms * 1e-3) / 1e12:.1f}" for ms in (2.0, 2.2, 3.0)),
+        "1.10", "1.10", "1.50", "2.00"]
+    assert _cells(text, "4096^3 4096 4096 4096 blockwise")[6:9] == ["n/a", "n/a", "n/a"]
+    assert _cells(text, "override, cold caches")[3:6] == ["30.00", "15.00", "101.0"]
+    doc = report.markdown_report(["GPU X | torch Y"], results)
+    assert doc.startswith("# torch_triton_gemm benchmark\n\n- GPU X | torch Y\n\n## mm llama")
+    assert "## summary" in doc
+
+
+def test_csv_has_every_row_at_full_precision(tmp_path):
+    path = tmp_path / "out.csv"
+    results = _run_results()
+    report.write_csv(str(path), results.records())
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 3
+    qkv = rows[0]
+    assert (qkv["suite"], qkv["name"], qkv["M"], qkv["dtype"]) == ("llama", "qkv", "1", "bf16")
+    assert float(qkv["ratio"]) == pytest.approx(1.25)
+    assert float(qkv["eager_ratio"]) == pytest.approx(0.4)
+    assert float(qkv["tgemm_gbps"]) == pytest.approx((4096 + 4096 * 6144 + 6144) * 2 / 20e-6 / 1e9)
+    assert rows[3]["error"] == "OutOfMemoryError: out of memory"
+    assert rows[3]["tgemm_ms"] == "nan" or rows[3]["tgemm_ms"] == ""
+    grouped_row = next(r for r in rows if r["suite"] == "grouped")
+    assert float(grouped_row["loop_ratio"]) == pytest.approx(1.5)
+    assert grouped_row["G"] == "8" and grouped_row["form"] == "fwd"
+    assert next(r for r in rows if r["suite"] == "e2e")["override_ms"] == "50.0"
+    assert [r["name"] for r in rows if r["suite"] == "coldstart"] == list(suites.COLDSTART_RUNS)
+
+
+def test_cold_start_result_line_is_parsed():
+    out = 'noise\n{"mode": "override", "step_s": [30.5, 0.1, 0.12], "loss": 10.37}\n'
+    r = e2e.parse_child_output("override, cold caches", out, 41.0)
+    assert (r.first_step_s, r.later_step_ms, r.process_s, r.loss) == pytest.approx(
+        (30.5, 110.0, 41.0, 10.37))
+    with pytest.raises(ValueError):
+        e2e.parse_child_output("plain", "Traceback ...\n", 1.0)
+
+
+# --- plotting without matplotlib ----------------------------------------------------------------
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert not report.matplotlib_available()
+    path = tmp_path / "plot.png"
+    assert report.write_plot(str(path), _mm_results()) is False
+    assert 'pip install "torch-triton-gemm[bench]"' in capsys.readouterr().err
+    assert not path.exists()
+    # The command line says so before it would start a run (here it then stops: no GPU).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--plot", str(path), "--suite", "square"]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install "torch-triton-gemm[bench]"' in err and "needs a CUDA GPU" in err
+
+
+# --- input builders and row runner (CPU tensors, no kernels) ------------------------------------
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def test_quantize_round_trips_within_fp8_precision():
+    x = torch.randn(64, 256) * torch.logspace(-2, 2, 256)  # columns of very different scales
+    for rows, cols in ((64, 256), (1, 256), (1, 128), (32, 128)):
+        q, scale = scaled.quantize(x, rows, cols)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (64 // rows, 256 // cols)
+        assert q.float().abs().amax() == scaled.FP8_MAX  # the block maxima map to 448
+        assert _rel(scaled.dequantize(q, scale), x) < 0.05
+
+
+@pytest.mark.parametrize("recipe", list(suites.SCALED_RECIPES))
+def test_scaled_inputs_follow_torch_scaled_mm_contract(recipe):
+    m, n, k = 32, 256, 384
+    (a, b, scale_a, scale_b), ref = scaled.make_inputs(ScaledCase("t", m, n, k, recipe), "cpu")
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous()
+    assert b.shape == (k, n) and b.stride() == (1, k)  # W.t() of a row-major W [N, K]
+    expected = {"tensorwise": ((), (), None, None),
+                "rowwise": ((m, 1), (1, n), (1, 1), (n, 1)),
+                "blockwise": ((m, k // 128), (k // 128, n // 128), (1, m), (1, k // 128))}
+    shape_a, shape_b, stride_a, stride_b = expected[recipe]
+    assert scale_a.shape == shape_a and scale_b.shape == shape_b
+    if stride_a is not None:
+        assert scale_a.stride() == stride_a and scale_b.stride() == stride_b
+    if recipe == "blockwise":
+        # torch runs block scales on recent GPUs only; its shape checks run anywhere.
+        mode = FakeTensorMode()
+        with mode:
+            out = torch._scaled_mm(*(mode.from_tensor(t) for t in (a, b, scale_a, scale_b)),
+                                   out_dtype=torch.bfloat16)
+        assert out.shape == (m, n)
+    else:
+        out = torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+        assert _rel(out, ref) < 1e-2  # torch reads the scales as the reference does
+
+
+def test_grouped_loops_match_a_float64_reference():
+    sizes = [3, 0, 5, 8]
+    bounds = [(0, 3), (3, 3), (3, 8), (8, 16)]
+    a = torch.randn(16, 24, dtype=torch.bfloat16)
+    w = torch.randn(4, 40, 24, dtype=torch.bfloat16)
+    b = w.transpose(-2, -1)
+    ref = torch.cat([a[s:e].double() @ b[g].double() for g, (s, e) in enumerate(bounds)])
+    assert _rel(grouped.loop_forward(a, b, sizes), ref) < 1e-2
+    a.requires_grad_()
+    out = grouped.loop_forward_autograd(a, b, sizes)
+    assert _rel(out, ref) < 1e-2
+    grad_a, = torch.autograd.grad(out, a, torch.ones_like(out))
+    assert _rel(grad_a, torch.cat([torch.ones(e - s, 40).double() @ b[g].double().t()
+                                   for g, (s, e) in enumerate(bounds)])) < 1e-2
+    dy = torch.randn(16, 40, dtype=torch.bfloat16)
+    x = a.detach()
+    out = grouped.loop_wgrad(x.t(), dy, sizes)
+    assert out.shape == (4, 24, 40) and torch.equal(out[1], torch.zeros(24, 40))
+    wref = torch.stack([x[s:e].t().double() @ dy[s:e].double() for s, e in bounds])
+    assert _rel(out, wref) < 1e-2
+
+
+@pytest.mark.parametrize("form", list(suites.GROUPED_FORMS))
+def test_grouped_inputs(form):
+    case = GroupedCase("t", form, groups=4, tokens=64, n=48, k=32, routing="skewed")
+    args = grouped.make_inputs(case, torch.device("cpu"))
+    offs = args[2]
+    assert offs.dtype == torch.int32 and offs.tolist()[-1] == 64
+    if form == "wgrad":
+        x_t, dy = args[:2]
+        assert x_t.shape == (32, 64) and x_t.stride() == (1, 32) and dy.shape == (64, 48)
+    elif form == "fwd":
+        a, b = args[:2]
+        assert a.shape == (64, 32) and b.shape == (4, 32, 48) and b.stride() == (48 * 32, 1, 32)
+    else:
+        a, w, _, grad_out = args
+        assert a.requires_grad and w.requires_grad and w.shape == (4, 48, 32)
+        assert grad_out.shape == (64, 48)
+
+
+def test_operand_copies_keep_layout_and_rotate(monkeypatch):
+    monkeypatch.setattr(timing, "ROTATE_BYTES", 20 * 1024)
+    a = torch.randn(64, 32)
+    b = torch.randn(16, 32).t().requires_grad_()
+    copies = timing.operand_copies((a, b, "none"), calls=8)
+    assert len(copies) == 2  # a and b hold 10 KiB: two sets span the 20 KiB asked for
+    for x, y, flag in copies[1:]:
+        assert flag == "none" and torch.equal(x, a) and torch.equal(y, b)
+        assert y.stride() == b.stride() and y.requires_grad and y.data_ptr() != b.data_ptr()
+    assert len(timing.operand_copies((a, b), calls=1)) == 1
+
+
+def test_rows_that_fail_become_error_rows(capsys):
+    def boom() -> str:
+        raise RuntimeError("first line\nsecond line")
+
+    rows = [timing.Row("good", lambda: "ok", lambda m: f"error {m}"),
+            timing.Row("bad", boom, lambda m: f"error {m}")]
+    assert timing.run_rows(rows) == ["ok", "error RuntimeError: first line"]
+    assert "Traceback" in capsys.readouterr().err
+
+
+# --- fresh processes: --help and --list with only the core dependencies -------------------------
+
+def test_help_and_list_run_without_plotting_packages():
+    script = textwrap.dedent("""
+        import runpy, sys
+        sys.modules["matplotlib"] = None  # as if not installed: importing them fails
+        sys.modules["pandas"] = None
+        for argv in (["--help"], ["--list"]):
+            sys.argv = ["python -m torch_triton_gemm.bench", *argv]
+            try:
+                runpy.run_module("torch_triton_gemm.bench", run_name="__main__")
+            except SystemExit as exit:
+                assert exit.code in (0, None), exit.code
+    """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "--suite NAMES" in proc.stdout and "coldstart" in proc.stdout
+    assert "rows would run" in proc.stdout
+    # And the command itself, as a user types it.
+    proc = subprocess.run([sys.executable, "-m", "torch_triton_gemm.bench", "--help"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m torch_triton_gemm.bench")
+
+
+# --- on a GPU: small rows through the real measurements -----------------------------------------
+
+FAST = timing.TimingSettings(warmup_ms=5, rep_ms=10, rounds=1, max_calls=4)
+
+
+@pytest.mark.gpu
+def test_gpu_mm_row_times_both_ways_and_checks_accuracy():
+    from torch_triton_gemm.bench import gemm
+
+    r = gemm.measure_mm(Case("square", "512^3", 512, 512, 512), "bf16", FAST,
+                        torch.device("cuda"))
+    assert not r.error, r.error
+    for impl in ("tgemm", "torch"):
+        for kind in ("kernel", "eager"):
+            assert r.time_ms(impl, kind) > 0, (impl, kind)
+    assert r.err_vs == "fp64" and r.rel_err < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_only_leaves_out_host_time():
+    from torch_triton_gemm.bench import gemm
+
+    # 64^3 takes a few microseconds on the GPU, far less than an eager call's host time.
+    r = gemm.measure_mm(Case("latency", "64^3", 64, 64, 64), "bf16", FAST, torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.time_ms("tgemm", "eager") > 2 * r.time_ms("tgemm", "kernel")
+
+
+@pytest.mark.gpu
+def test_gpu_latency_row():
+    from torch_triton_gemm.bench import gemm
+
+    [r] = gemm.run_latency([Case("latency", "64^3", 64, 64, 64)], ["bf16"], torch.device("cuda"))
+    assert not r.error, r.error
+    assert set(r.host_us) == {"torch.ops.tgemm.mm", "tgemm.mm", "torch.mm"}
+    assert all(0 < us < 10_000 for us in r.host_us.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", list(suites.GROUPED_FORMS))
+def test_gpu_grouped_row(form):
+    if grouped.missing_reason():
+        pytest.skip(grouped.missing_reason())
+    case = GroupedCase("t", form, groups=4, tokens=512, n=256, k=128, routing="skewed")
+    r = grouped.measure_grouped(case, FAST, torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.rel_err < 1e-2 and r.time_ms("tgemm") > 0 and r.time_ms("loop", "eager") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(suites.SCALED_RECIPES))
+def test_gpu_scaled_row(recipe):
+    if scaled.missing_reason():
+        pytest.skip(scaled.missing_reason())
+    r = scaled.measure_scaled(ScaledCase("t", 256, 512, 384, recipe), FAST,
+                              torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.rel_err < 1e-2 and r.time_ms("tgemm") > 0
+
+
+@pytest.mark.gpu
+def test_gpu_coldstart_program_times_its_steps():
+    from torch_triton_gemm.bench import coldstart
+
+    result = coldstart.measure("plain", steps=2)
+    assert len(result["step_s"]) == 2 and all(s > 0 for s in result["step_s"])
+    assert math.isfinite(result["loss"])
+
+
+@pytest.mark.gpu
+def test_gpu_command_line_prints_the_summary_last(tmp_path, capsys):
+    argv = ["--suite", "odd", "--quick", "--rounds", "1", "--warmup", "5", "--rep", "10",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("mm odd") < out.index("summary:")
+    assert _cells(out, "odd bf16")[2] == "2"  # both quick rows measured
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(float(r["ratio"]) > 0 and not r["error"] for r in rows)
+    assert (tmp_path / "results.md").read_text().startswith("# torch_triton_gemm benchmark")

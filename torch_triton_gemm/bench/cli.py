@@ -1,0 +1,321 @@
+"""The command line: ``python -m torch_triton_gemm.bench [options]``.
+
+Parses the options, runs the selected suites one after another (each suite's table is printed
+as soon as it is done, progress goes to stderr), writes the requested files, and prints the
+short summary last. ``--help`` and ``--list`` need neither a GPU nor the optional plotting
+packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import device as _device
+
+from . import report, suites
+from .results import RunResults
+from .timing import TimingSettings
+
+DTYPE_NAMES = ("bf16", "fp16")
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# The dtypes of the suites that do not follow --dtypes.
+_FIXED_DTYPES = {"grouped": "bf16", "scaled": "fp8 e4m3 -> bf16", "e2e": "bf16",
+                 "coldstart": "bf16"}
+
+
+def _parse_names(text: str, allowed: Sequence[str], what: str,
+                 aliases: dict[str, Sequence[str]]) -> list[str]:
+    """Comma-separated names, aliases expanded, deduplicated in order; ArgumentTypeError if
+    one is unknown."""
+    names: list[str] = []
+    for raw in text.split(","):
+        raw = raw.strip().lower()
+        if not raw:
+            continue
+        expanded = aliases.get(raw, (raw,))
+        for name in expanded:
+            if name not in allowed:
+                choices = ", ".join([*allowed, *aliases])
+                raise argparse.ArgumentTypeError(f"unknown {what} {raw!r}; choose from {choices}")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    return names
+
+
+def _suites(text: str) -> list[str]:
+    names = _parse_names(text, suites.ALL_SUITES, "suite", suites.SUITE_GROUPS)
+    return [s for s in suites.ALL_SUITES if s in names]  # run order, whatever the list's order
+
+
+def _dtypes(text: str) -> list[str]:
+    aliases = {alias: (name,) for alias, name in _DTYPE_ALIASES.items()}
+    return _parse_names(text, DTYPE_NAMES, "dtype", aliases)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _suite_help() -> str:
+    lines = ["suites (default: every one but grouped and scaled):"]
+    lines += [f"  {name:<10} {suites.SUITE_DESCRIPTIONS[name]}" for name in suites.ALL_SUITES]
+    lines.append("  " + "; ".join(f"{group} = {', '.join(names)}" if group == "mm" else
+                                  f"{group}: {len(names)} suites"
+                                  for group, names in suites.SUITE_GROUPS.items()))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (see ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_triton_gemm.bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmark torch_triton_gemm against torch (cuBLAS) on a CUDA GPU, every\n"
+                    "row timed kernel-only (CUDA-graph replays) and eager. Tables go to stdout\n"
+                    "as each suite finishes, the summary last; progress goes to stderr.",
+        epilog=_suite_help())
+    parser.add_argument(
+        "--suite", type=_suites, default=None, metavar="NAMES",
+        help="comma-separated suites or groups (mm, default, all); see below")
+    parser.add_argument(
+        "--dtypes", type=_dtypes, default=None, metavar="NAMES",
+        help="dtypes of the mm and latency suites: bf16, fp16 (default: bf16,fp16; "
+             "with --quick: bf16)")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a representative subset of every suite (see --list --quick), bf16 unless "
+             "--dtypes says otherwise")
+    parser.add_argument("--list", action="store_true",
+                        help="print the suites with their row counts (and with --suite, their "
+                             "shapes), then exit; needs no GPU")
+    parser.add_argument("--warmup", type=_positive_int, default=25, metavar="MS",
+                        help="warm-up time per measurement, ms (default: 25)")
+    parser.add_argument("--rep", type=_positive_int, default=100, metavar="MS",
+                        help="measured time per measurement, ms (default: 100)")
+    parser.add_argument("--rounds", type=_positive_int, default=2, metavar="N",
+                        help="alternating measurements of tgemm and its peers per row; each "
+                             "keeps its best median (default: 2)")
+    parser.add_argument("--calls", type=_positive_int, default=16, metavar="N",
+                        help="most calls per timed batch and per CUDA graph (default: 16)")
+    parser.add_argument("--csv", metavar="PATH", help="write every row to a CSV file")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a PNG bar chart of the mm rows' TFLOP/s (needs matplotlib: "
+                             'pip install "torch-triton-gemm[bench]")')
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the tables as GitHub markdown")
+    parser.add_argument("--out", metavar="DIR",
+                        help="write results.csv and results.md (every table) into DIR")
+    parser.add_argument("--e2e-layers", type=_positive_int, default=2, metavar="N",
+                        help="blocks stacked in the e2e model (default: 2)")
+    parser.add_argument("--e2e-steps", type=_positive_int, default=20, metavar="N",
+                        help="timed steps per variant in the e2e suite (default: 20)")
+    parser.add_argument("--coldstart-timeout", type=_positive_int, default=300, metavar="S",
+                        help="seconds each cold-start process may take (default: 300)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; fills in the defaults that depend on --quick."""
+    args = build_parser().parse_args(argv)
+    args.suite_given = args.suite is not None
+    if args.suite is None:
+        args.suite = list(suites.DEFAULT_SUITES)
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if args.quick else list(DTYPE_NAMES)
+    return args
+
+
+def settings_from(args: argparse.Namespace) -> TimingSettings:
+    return TimingSettings(args.warmup, args.rep, args.rounds, args.calls)
+
+
+# --- --list -------------------------------------------------------------------------------------
+
+def list_text(args: argparse.Namespace) -> str:
+    """The suites with their row counts (for the current --quick and --dtypes), which of them
+    would run, and with --suite the shapes of the selected suites."""
+    rows = []
+    total = 0
+    for name in suites.ALL_SUITES:
+        count = suites.suite_row_count(name, args.quick)
+        dtypes = (",".join(args.dtypes) if suites.per_dtype(name) else _FIXED_DTYPES[name])
+        runs = name in args.suite
+        if runs:
+            total += count * (len(args.dtypes) if suites.per_dtype(name) else 1)
+        rows.append([name, str(count), dtypes, "yes" if runs else "",
+                     suites.SUITE_DESCRIPTIONS[name]])
+    headers = ("suite", "rows", "dtypes", "runs", "what")
+    parts = [report.format_table(headers, rows, {"suite", "dtypes", "runs", "what"}),
+             f"{total} rows would run{' (--quick)' if args.quick else ''}; rows are per dtype "
+             "where the suite follows --dtypes"]
+    if args.suite_given:
+        parts.append(_cases_text(args))
+    return "\n".join(parts)
+
+
+def _cases_text(args: argparse.Namespace) -> str:
+    parts = []
+    cases = [c for s in args.suite if suites.per_dtype(s)
+             for c in suites.suite_cases(s, args.quick)]
+    if cases:
+        rows = [[c.suite, c.name, str(c.m), str(c.n), str(c.k), c.a_layout, c.b_layout]
+                for c in cases]
+        parts.append(report.format_table(("suite", "name", "M", "N", "K", "a", "b"), rows,
+                                         {"suite", "name", "a", "b"}))
+    if "grouped" in args.suite:
+        rows = [[c.name, c.form, c.routing, str(c.groups), str(c.tokens), str(c.n), str(c.k),
+                 str(sum(size == 0 for size in c.group_sizes()))]
+                for c in suites.grouped_cases(args.quick)]
+        parts.append(report.format_table(
+            ("grouped", "form", "routing", "G", "T", "N", "K", "empty groups"), rows,
+            {"grouped", "form", "routing"}))
+    if "scaled" in args.suite:
+        rows = [[c.name, str(c.m), str(c.n), str(c.k), c.recipe]
+                for c in suites.scaled_cases(args.quick)]
+        parts.append(report.format_table(("scaled", "M", "N", "K", "recipe"), rows,
+                                         {"scaled", "recipe"}))
+    return "\n\n".join(["", *parts]) if parts else ""
+
+
+# --- running ------------------------------------------------------------------------------------
+
+def header_lines(device: torch.device, settings: TimingSettings) -> list[str]:
+    """What ran where, and how it was timed."""
+    return [
+        f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | "
+        f"triton {triton.__version__} | tgemm {tg.__version__}",
+        f"median ms per call over batches of up to {settings.max_calls} calls on rotating "
+        f"operand copies (cold L2); warmup {settings.warmup_ms:g} ms, rep {settings.rep_ms:g} "
+        f"ms, best of {settings.rounds} alternating rounds",
+        "mm: a row-major [M, K], b = W.t() with W [N, K] unless the name says otherwise",
+        *report.LEGEND,
+    ]
+
+
+def _run_suite(results: RunResults, name: str, run: Callable[[], None]) -> None:
+    """Run one suite; an unexpected failure of the whole suite becomes a note, not a crash."""
+    try:
+        run()
+    except Exception as exc:
+        traceback.print_exc()
+        results.notes.append(f"{name}: failed ({type(exc).__name__}: {exc}); traceback on stderr")
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _print_new_sections(results: RunResults, printed: set[str]) -> None:
+    """Print the tables that appeared since the last call (each suite as it finishes)."""
+    for section in report.sections(results):
+        if section.title not in printed:
+            printed.add(section.title)
+            print()
+            print(section.render(), flush=True)
+
+
+def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
+    """Run the selected suites in order, printing each table when its suite is done."""
+    # Imported here: they are only needed on a GPU.
+    from . import e2e, gemm, grouped, scaled
+
+    settings = settings_from(args)
+    results = RunResults()
+    printed: set[str] = set()
+    for suite in (s for s in suites.MM_SUITES if s in args.suite):
+        cases = suites.suite_cases(suite, args.quick)
+        _run_suite(results, suite, lambda c=cases: results.mm.extend(
+            gemm.run_mm(c, args.dtypes, settings, device)))
+        _print_new_sections(results, printed)
+    if "latency" in args.suite:
+        cases = suites.suite_cases("latency")
+        _run_suite(results, "latency", lambda: results.latency.extend(
+            gemm.run_latency(cases, args.dtypes, device)))
+        _print_new_sections(results, printed)
+    for name, module, run, cases, target in (
+            ("grouped", grouped, grouped.run_grouped, suites.grouped_cases(args.quick),
+             results.grouped),
+            ("scaled", scaled, scaled.run_scaled, suites.scaled_cases(args.quick),
+             results.scaled)):
+        if name not in args.suite:
+            continue
+        missing = module.missing_reason()
+        if missing:
+            results.notes.append(f"{name}: skipped ({missing})")
+            print(f"\n{name}: skipped ({missing})", flush=True)
+            continue
+        _run_suite(results, name, lambda r=run, c=cases, t=target: t.extend(
+            r(c, settings, device)))
+        _print_new_sections(results, printed)
+    if "e2e" in args.suite:
+        def run_e2e() -> None:
+            results.e2e = e2e.run_e2e(layers=args.e2e_layers, steps=args.e2e_steps,
+                                      device=device)
+
+        _run_suite(results, "e2e", run_e2e)
+        _print_new_sections(results, printed)
+    if "coldstart" in args.suite:
+        _run_suite(results, "coldstart", lambda: results.coldstart.extend(
+            e2e.run_coldstart(args.coldstart_timeout)))
+        _print_new_sections(results, printed)
+    return results
+
+
+def _write_files(args: argparse.Namespace, header: list[str], results: RunResults) -> None:
+    records = results.records()
+    if args.csv:
+        report.write_csv(args.csv, records)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        csv_path, md_path = (os.path.join(args.out, f) for f in ("results.csv", "results.md"))
+        report.write_csv(csv_path, records)
+        with open(md_path, "w") as f:
+            f.write(report.markdown_report(header, results))
+        print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
+    if args.plot and report.write_plot(args.plot, results.mm):
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the selected suites and print the results; returns the process exit status."""
+    args = parse_args(argv)
+    if args.list:
+        print(list_text(args))
+        return 0
+    if args.plot and not report.matplotlib_available():
+        # Said before the run, not after it; the rest of the run goes ahead.
+        print(report.NO_MATPLOTLIB, file=sys.stderr)
+        args.plot = None
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "--list shows what it would run", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    error = _device.kernel_device_error(device)
+    if error is not None:
+        print(f"cannot benchmark: {error}", file=sys.stderr)
+        return 2
+
+    header = header_lines(device, settings_from(args))
+    print("\n".join(f"# {line}" for line in header), flush=True)
+    torch.manual_seed(0)
+    results = run_suites(args, device)
+    if args.markdown:
+        print()
+        print("\n\n".join(s.render(markdown=True) for s in report.sections(results)))
+    _write_files(args, header, results)
+    print()
+    print(report.summary(results), flush=True)
+    return 0

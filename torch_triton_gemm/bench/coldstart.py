@@ -1,0 +1,64 @@
+"""One cold-start measurement, run in a fresh process by the benchmark's coldstart suite:
+
+    python -m torch_triton_gemm.bench.coldstart plain|override
+
+It builds the drop-in example's model (its GPU defaults, bf16), then times the first training
+steps (forward, cross-entropy, backward, AdamW step, each to completion), plainly or inside
+``torch_triton_gemm.override()``. The first step pays every one-time cost the process has not
+paid yet: CUDA and cuBLAS initialisation, and under the override tgemm's autotuning and Triton's
+compilation, unless Triton's on-disk cache (``TRITON_CACHE_DIR``) already holds them. It prints
+one JSON line: {"mode", "step_s": [seconds per step], "loss": first step's loss}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import torch
+
+import torch_triton_gemm as tg
+from torch_triton_gemm.bench.model import TinyLlama, train_step
+
+# examples/dropin.py's defaults on a GPU.
+MODEL = dict(vocab=32000, hidden=1024, heads=8, layers=4, intermediate=2752)
+BATCH, SEQ = 8, 1024
+STEPS = 3
+MODES = ("plain", "override")
+
+
+def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
+    """Build the model and time ``steps`` training steps in ``mode``; the result as a dict."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    torch.manual_seed(0)
+    model = TinyLlama(**MODEL, max_seq=SEQ).to(device="cuda", dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(MODEL["vocab"], (BATCH, SEQ + 1), device="cuda")
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    torch.cuda.synchronize()
+    times, losses = [], []
+    with tg.override() if mode == "override" else contextlib.nullcontext():
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = train_step(model, optimizer, inputs, targets)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+    return {"mode": mode, "step_s": times, "loss": losses[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in MODES:
+        print(f"usage: python -m torch_triton_gemm.bench.coldstart {'|'.join(MODES)}",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(measure(args[0])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

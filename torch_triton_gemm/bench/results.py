@@ -1,0 +1,176 @@
+"""What one benchmark row holds, with its derived numbers (TFLOP/s, ratios, GB/s).
+
+Times are ms per call, NaN where a number could not be measured; ratios are speed ratios,
+peer time / tgemm time, so above 1 means tgemm is faster. ``error`` is set on rows whose
+measurement failed; they are reported, not raised.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .suites import Case, GroupedCase, ScaledCase
+
+AnyCase = Case | GroupedCase | ScaledCase
+
+# Implementations a GEMM row may time: tgemm, the torch peer (torch.mm, torch._grouped_mm,
+# torch._scaled_mm), and for grouped rows a Python loop of torch.mm.
+IMPLS = ("tgemm", "torch", "loop")
+ELEMENT_SIZES = {"bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def safe_ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, NaN unless both are finite and the denominator positive."""
+    if not (denominator > 0 and math.isfinite(denominator) and math.isfinite(numerator)):
+        return math.nan
+    return numerator / denominator
+
+
+@dataclass
+class GemmResult:
+    """Timings and accuracy of one GEMM row: an mm, grouped or scaled case in one dtype."""
+
+    case: AnyCase
+    dtype: str
+    kernel_ms: dict[str, float] = field(default_factory=dict)  # CUDA-graph replays
+    eager_ms: dict[str, float] = field(default_factory=dict)  # back-to-back eager calls
+    rel_err: float = math.nan
+    err_vs: str = ""  # what rel_err was measured against
+    first_call_s: float = math.nan  # tgemm's first call, tuning included when it was new
+    error: str = ""
+    note: str = ""
+
+    def time_ms(self, impl: str = "tgemm", kind: str = "kernel") -> float:
+        """ms per call of ``impl``, ``kind`` "kernel" (kernel-only) or "eager"."""
+        times = self.kernel_ms if kind == "kernel" else self.eager_ms
+        return times.get(impl, math.nan)
+
+    def tflops(self, impl: str = "tgemm", kind: str = "kernel") -> float:
+        """Throughput of ``impl`` in TFLOP/s."""
+        ms = self.time_ms(impl, kind)
+        return self.case.flops / (ms * 1e-3) / 1e12 if ms > 0 else math.nan
+
+    def ratio(self, peer: str = "torch", kind: str = "kernel") -> float:
+        """Speed of tgemm over speed of ``peer``: above 1 means tgemm is faster."""
+        return safe_ratio(self.time_ms(peer, kind), self.time_ms("tgemm", kind))
+
+    def gbps(self, impl: str = "tgemm") -> float:
+        """Achieved bandwidth (operands and output once, kernel-only), memory-bound rows only."""
+        ms = self.time_ms(impl, "kernel")
+        if not self.case.memory_bound or not ms > 0:
+            return math.nan
+        return self.case.bytes_moved(ELEMENT_SIZES[self.dtype]) / (ms * 1e-3) / 1e9
+
+    def label(self) -> str:
+        return f"{self.case.label()} {self.dtype}"
+
+    def record(self) -> dict[str, object]:
+        """The row as CSV fields, full precision."""
+        row: dict[str, object] = {"suite": self.case.suite, "name": self.case.name,
+                                  "dtype": self.dtype, **self.case.record()}
+        for impl in IMPLS:
+            if impl in self.kernel_ms or impl in self.eager_ms:
+                row[f"{impl}_ms"] = self.time_ms(impl, "kernel")
+                row[f"{impl}_eager_ms"] = self.time_ms(impl, "eager")
+                row[f"{impl}_tflops"] = self.tflops(impl, "kernel")
+        for peer in IMPLS[1:]:
+            if peer in self.kernel_ms or peer in self.eager_ms:
+                prefix = "" if peer == "torch" else f"{peer}_"
+                row[f"{prefix}ratio"] = self.ratio(peer, "kernel")
+                row[f"{prefix}eager_ratio"] = self.ratio(peer, "eager")
+        if self.case.memory_bound:
+            row["tgemm_gbps"] = self.gbps("tgemm")
+            row["torch_gbps"] = self.gbps("torch")
+        row.update(rel_err=self.rel_err, err_vs=self.err_vs, first_call_s=self.first_call_s,
+                   error=self.error, note=self.note)
+        return row
+
+
+LATENCY_IMPLS = ("torch.ops.tgemm.mm", "tgemm.mm", "torch.mm")
+
+
+@dataclass
+class LatencyResult:
+    """Host time per eager call (us) of each entry point, for one small shape."""
+
+    case: Case
+    dtype: str
+    host_us: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+    def ratio(self, impl: str) -> float:
+        """Host time of ``impl`` over torch.mm's: above 1 means it costs more host time."""
+        return safe_ratio(self.host_us.get(impl, math.nan), self.host_us.get("torch.mm", math.nan))
+
+    def label(self) -> str:
+        return f"{self.case.label()} {self.dtype}"
+
+    def record(self) -> dict[str, object]:
+        row: dict[str, object] = {"suite": "latency", "name": self.case.name,
+                                  "dtype": self.dtype, **self.case.record()}
+        for impl in LATENCY_IMPLS:
+            row[f"{impl}_host_us"] = self.host_us.get(impl, math.nan)
+        row["host_ratio"] = self.ratio("tgemm.mm")
+        row["op_host_ratio"] = self.ratio("torch.ops.tgemm.mm")
+        row["error"] = self.error
+        return row
+
+
+@dataclass
+class E2EResult:
+    """Step times of the e2e model, plain and under ``override()``."""
+
+    description: str
+    dtype: str
+    plain_ms: float
+    override_ms: float
+    loss_rel_diff: float  # max over measured steps of |loss_override - loss_plain| / |loss_plain|
+
+    @property
+    def ratio(self) -> float:
+        """Override step time over plain step time: below 1 means the override is faster."""
+        return safe_ratio(self.override_ms, self.plain_ms)
+
+    def record(self) -> dict[str, object]:
+        return {"suite": "e2e", "name": self.description, "dtype": self.dtype,
+                "plain_ms": self.plain_ms, "override_ms": self.override_ms,
+                "step_ratio": self.ratio, "loss_rel_diff": self.loss_rel_diff}
+
+
+@dataclass
+class ColdStartResult:
+    """One fresh process: the first training steps of the example model."""
+
+    run: str  # one of suites.COLDSTART_RUNS
+    first_step_s: float = math.nan
+    later_step_ms: float = math.nan  # median of the steps after the first
+    process_s: float = math.nan  # the whole process: start, imports, model, all steps
+    loss: float = math.nan  # first step's loss
+    error: str = ""
+
+    def record(self) -> dict[str, object]:
+        return {"suite": "coldstart", "name": self.run, "first_step_s": self.first_step_s,
+                "later_step_ms": self.later_step_ms, "process_s": self.process_s,
+                "loss": self.loss, "error": self.error}
+
+
+@dataclass
+class RunResults:
+    """Everything one run measured, by kind, plus suite-level notes (skips, failures)."""
+
+    mm: list[GemmResult] = field(default_factory=list)
+    latency: list[LatencyResult] = field(default_factory=list)
+    grouped: list[GemmResult] = field(default_factory=list)
+    scaled: list[GemmResult] = field(default_factory=list)
+    e2e: E2EResult | None = None
+    coldstart: list[ColdStartResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def records(self) -> list[dict[str, object]]:
+        """Every row as CSV fields, in report order."""
+        rows = [r.record() for r in (*self.mm, *self.latency, *self.grouped, *self.scaled)]
+        if self.e2e is not None:
+            rows.append(self.e2e.record())
+        rows += [r.record() for r in self.coldstart]
+        return rows

@@ -1,0 +1,316 @@
+"""What the benchmark runs: the shape suites, as data.
+
+An mm shape is (M, N, K): a row-major activation a [M, K] times b [K, N], where b is a weight
+stored [N, K] and passed as ``W.t()`` (the way ``nn.Linear`` calls mm) unless the case says
+otherwise. Nothing here touches a GPU, so the suites can be listed and tested anywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MM_SUITES = ("square", "llama", "layouts", "decode", "odd", "deepk", "shallowk")
+DEFAULT_SUITES = (*MM_SUITES, "latency", "e2e", "coldstart")
+ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled")
+# Names that stand for several suites on the command line.
+SUITE_GROUPS = {"mm": MM_SUITES, "default": DEFAULT_SUITES, "all": ALL_SUITES}
+
+SUITE_DESCRIPTIONS = {
+    "square": "1024^3, 2048^3, 4096^3, 8192^3",
+    "llama": "Llama-3-8B qkv, o, gate_up, down for M = 1 .. 8192 tokens",
+    "layouts": "4096^3 with both operands row-major, and with both column-major",
+    "decode": "the Llama-3-8B layers at M = 2, 4, 8, 32; memory-bound, so GB/s too",
+    "odd": "999x1003x1007, 1500^3, 2047x2049x2051, 3000^3",
+    "deepk": "few output tiles, long K: 128x128x32768, 512x512x65536, 1024x1024x16384",
+    "shallowk": "short K: 8192x8192x128, 32768x4096x32",
+    "latency": "host time per eager call (64^3, M=1 qkv): torch.ops.tgemm.mm, tgemm.mm, torch.mm",
+    "e2e": "step time of Llama blocks (bf16, fwd+bwd), plain vs override()",
+    "coldstart": "first training step of the drop-in example's model in fresh processes",
+    "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
+    "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes",
+}
+
+# --- mm suites ----------------------------------------------------------------------------------
+
+SQUARE_SIZES = (1024, 2048, 4096, 8192)
+QUICK_SQUARE_SIZES = (4096, 8192)
+LLAMA_MS = (1, 16, 64, 128, 512, 2048, 8192)
+QUICK_LLAMA_MS = (16, 2048)
+DECODE_MS = (2, 4, 8, 32)
+QUICK_DECODE_MS = (8,)
+# Llama-3-8B projections as (name, N, K): hidden 4096, q+k+v = 4096 + 2 * 1024 (GQA),
+# gate and up fused to 2 * 14336.
+LLAMA_LAYERS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                ("down", 4096, 14336))
+LAYOUTS_SIZE = 4096
+# (M, N, K) lists; the quick subset is the first entries named by the QUICK_* index tuples.
+ODD_SHAPES = ((999, 1003, 1007), (1500, 1500, 1500), (2047, 2049, 2051), (3000, 3000, 3000))
+QUICK_ODD = (0, 2)
+DEEP_K_SHAPES = ((128, 128, 32768), (512, 512, 65536), (1024, 1024, 16384))
+QUICK_DEEP_K = (0, 1)
+SHALLOW_K_SHAPES = ((8192, 8192, 128), (32768, 4096, 32))
+QUICK_SHALLOW_K = (0, 1)
+LATENCY_SHAPES = (("64^3", 64, 64, 64), ("qkv", 1, 6144, 4096))
+
+# Rows at or below this many FLOPs per byte of operands and output are limited by memory
+# bandwidth on any current GPU (an H100's bf16 ridge point is near 300), so they report GB/s.
+MEMORY_BOUND_INTENSITY = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    """One mm shape: out[M, N] = a[M, K] @ b[K, N], with the operand layouts to build."""
+
+    suite: str
+    name: str
+    m: int
+    n: int
+    k: int
+    a_layout: str = "row"  # "row": [M, K] contiguous; "col": a [K, M] tensor transposed
+    b_layout: str = "col"  # "col": W [N, K] transposed (nn.Linear); "row": [K, N] contiguous
+
+    @property
+    def flops(self) -> int:
+        """Floating-point operations of the product (a multiply and an add per term)."""
+        return 2 * self.m * self.n * self.k
+
+    def bytes_moved(self, element_size: int) -> int:
+        """Bytes that must cross memory at least once: both operands and the output."""
+        return (self.m * self.k + self.k * self.n + self.m * self.n) * element_size
+
+    @property
+    def memory_bound(self) -> bool:
+        """Whether bandwidth, not arithmetic, limits this shape (16-bit operands)."""
+        return self.flops <= MEMORY_BOUND_INTENSITY * self.bytes_moved(2)
+
+    def label(self) -> str:
+        """Short human-readable description for progress lines and the summary."""
+        if self.suite in ("llama", "decode") or (self.suite == "latency" and self.m == 1):
+            return f"{self.suite} {self.name} M={self.m}"
+        return f"{self.suite} {self.name}"
+
+    def record(self) -> dict[str, object]:
+        """The shape as CSV fields."""
+        return {"M": self.m, "N": self.n, "K": self.k, "a_layout": self.a_layout,
+                "b_layout": self.b_layout}
+
+
+def _shape_name(m: int, n: int, k: int) -> str:
+    return f"{m}^3" if m == n == k else f"{m}x{n}x{k}"
+
+
+def _pick(full: Sequence, quick_indices: Sequence[int], quick: bool) -> list:
+    return [full[i] for i in quick_indices] if quick else list(full)
+
+
+def _shape_cases(suite: str, shapes: Sequence[tuple[int, int, int]]) -> list[Case]:
+    return [Case(suite, _shape_name(m, n, k), m, n, k) for m, n, k in shapes]
+
+
+def _llama_cases(suite: str, ms: Sequence[int]) -> list[Case]:
+    # M outermost: the rows for one batch size read as one forward pass.
+    return [Case(suite, name, m, n, k) for m in ms for name, n, k in LLAMA_LAYERS]
+
+
+def suite_cases(suite: str, quick: bool = False) -> list[Case]:
+    """The mm (or latency) cases of one suite in run order; ``quick`` keeps a few of them."""
+    if suite == "square":
+        sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
+        return _shape_cases(suite, [(s, s, s) for s in sizes])
+    if suite == "llama":
+        return _llama_cases(suite, QUICK_LLAMA_MS if quick else LLAMA_MS)
+    if suite == "decode":
+        return _llama_cases(suite, QUICK_DECODE_MS if quick else DECODE_MS)
+    if suite == "layouts":
+        s = LAYOUTS_SIZE
+        return [Case(suite, "a-row b-row", s, s, s, a_layout="row", b_layout="row"),
+                Case(suite, "a-col b-col", s, s, s, a_layout="col", b_layout="col")]
+    if suite == "odd":
+        return _shape_cases(suite, _pick(ODD_SHAPES, QUICK_ODD, quick))
+    if suite == "deepk":
+        return _shape_cases(suite, _pick(DEEP_K_SHAPES, QUICK_DEEP_K, quick))
+    if suite == "shallowk":
+        return _shape_cases(suite, _pick(SHALLOW_K_SHAPES, QUICK_SHALLOW_K, quick))
+    if suite == "latency":
+        return [Case(suite, name, m, n, k) for name, m, n, k in LATENCY_SHAPES]
+    raise ValueError(f"{suite!r} is not an mm suite")
+
+
+def build_cases(suites: Sequence[str], quick: bool = False) -> list[Case]:
+    """The mm cases of ``suites`` (other suite names are ignored) in run order."""
+    return [c for s in MM_SUITES if s in suites for c in suite_cases(s, quick)]
+
+
+# --- grouped_mm suite ---------------------------------------------------------------------------
+
+# Mixtral-8x7B experts: 8 of them, hidden 4096, FFN 14336.
+MIXTRAL = dict(groups=8, k=4096, n=14336)
+MIXTRAL_TOKENS = (2048, 8192, 32768)
+QUICK_MIXTRAL_TOKENS = (8192,)
+# DeepSeek-V3-like: 256 routed experts, hidden 7168, expert FFN 2048, 32768 token-slots.
+DEEPSEEK = dict(groups=256, k=7168, n=2048, tokens=32768)
+# Group sizes are multiples of this (padded routing, as MoE training stacks do), which every
+# grouped GEMM kernel accepts, torch's included.
+GROUP_ALIGN = 16
+# Zipf exponent of the skewed routing: about 5% of the experts get no tokens, the busiest a
+# fifth of them.
+ZIPF_EXPONENT = 1.1
+
+GROUPED_FORMS = {
+    "fwd": "out[T, N] = a[T, K] @ b[g] per group of rows (2D x 3D)",
+    "fwd+bwd": "forward, then the gradients of a and of the weights",
+    "wgrad": "weight gradient: out[g] = x[rows of g].T @ dy[rows of g] (2D x 2D, groups along K)",
+}
+
+
+@dataclass(frozen=True)
+class GroupedCase:
+    """One grouped GEMM: ``tokens`` rows of width ``k`` routed to ``groups`` [k, n] weights."""
+
+    name: str  # "mixtral", "deepseek"
+    form: str  # a key of GROUPED_FORMS
+    groups: int
+    tokens: int
+    n: int
+    k: int
+    routing: str = "balanced"  # or "skewed"
+    suite: str = "grouped"
+
+    @property
+    def flops(self) -> int:
+        """2*T*N*K for one product; the backward pass adds two products of the same size."""
+        return 2 * self.tokens * self.n * self.k * (3 if self.form == "fwd+bwd" else 1)
+
+    @property
+    def memory_bound(self) -> bool:
+        return False
+
+    def group_sizes(self) -> list[int]:
+        """Tokens per group, in group order (sums to ``tokens``)."""
+        if self.routing == "balanced":
+            return balanced_sizes(self.tokens, self.groups)
+        return skewed_sizes(self.tokens, self.groups)
+
+    def label(self) -> str:
+        return f"grouped {self.name} {self.form} {self.routing} T={self.tokens}"
+
+    def record(self) -> dict[str, object]:
+        return {"form": self.form, "routing": self.routing, "G": self.groups,
+                "T": self.tokens, "N": self.n, "K": self.k}
+
+
+def balanced_sizes(tokens: int, groups: int) -> list[int]:
+    """Every group gets tokens / groups rows."""
+    if tokens % groups:
+        raise ValueError(f"{tokens} tokens do not split evenly over {groups} groups")
+    return [tokens // groups] * groups
+
+
+def skewed_sizes(tokens: int, groups: int, exponent: float = ZIPF_EXPONENT,
+                 align: int = GROUP_ALIGN, seed: int = 0) -> list[int]:
+    """Zipf-like group sizes: the r-th busiest group gets a share proportional to r**-exponent,
+    rounded down to a multiple of ``align`` (so the least busy get none); the rounding remainder
+    goes, ``align`` rows at a time, to the busiest groups. Groups are then shuffled with a fixed
+    seed, so the result is the same on every run."""
+    if tokens % align:
+        raise ValueError(f"{tokens} tokens are not a multiple of the alignment {align}")
+    weights = [r ** -exponent for r in range(1, groups + 1)]
+    total = sum(weights)
+    sizes = [int(tokens * w / total) // align * align for w in weights]
+    for i in range((tokens - sum(sizes)) // align):
+        sizes[i % groups] += align
+    random.Random(seed).shuffle(sizes)
+    return sizes
+
+
+def grouped_cases(quick: bool = False) -> list[GroupedCase]:
+    """The grouped suite in run order."""
+    mixtral_tokens = QUICK_MIXTRAL_TOKENS if quick else MIXTRAL_TOKENS
+    cases = [GroupedCase("mixtral", "fwd", tokens=t, **MIXTRAL) for t in mixtral_tokens]
+    cases += [GroupedCase("mixtral", "fwd+bwd", tokens=t, **MIXTRAL) for t in mixtral_tokens]
+    routings = ("skewed",) if quick else ("balanced", "skewed")
+    for form in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+        cases += [GroupedCase("deepseek", form, routing=r, **DEEPSEEK) for r in routings]
+    cases += [GroupedCase("mixtral", "wgrad", tokens=t, **MIXTRAL) for t in mixtral_tokens]
+    return cases
+
+
+# --- scaled_mm suite ----------------------------------------------------------------------------
+
+SCALED_RECIPES = {
+    "tensorwise": "one scale per tensor",
+    "rowwise": "one scale per row of a and per column of b",
+    "blockwise": "a: one scale per 1x128 block; b: one per 128x128 block of the [N, K] weight",
+}
+SCALED_SQUARE_SIZES = (4096, 8192)
+SCALED_LLAMA_MS = (16, 2048, 8192)
+# (suite-local name, M, N, K)
+QUICK_SCALED_SHAPES = (("4096^3", 4096, 4096, 4096), ("qkv", 16, 6144, 4096),
+                       ("gate_up", 2048, 28672, 4096))
+
+
+@dataclass(frozen=True)
+class ScaledCase:
+    """One fp8 product with scales: a [M, K] e4m3 row-major, b = W.t() with W [N, K] e4m3."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    recipe: str  # a key of SCALED_RECIPES
+    suite: str = "scaled"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def memory_bound(self) -> bool:
+        return False
+
+    def label(self) -> str:
+        where = f" M={self.m}" if self.name != _shape_name(self.m, self.n, self.k) else ""
+        return f"scaled {self.name}{where} {self.recipe}"
+
+    def record(self) -> dict[str, object]:
+        return {"M": self.m, "N": self.n, "K": self.k, "recipe": self.recipe}
+
+
+def scaled_cases(quick: bool = False) -> list[ScaledCase]:
+    """The scaled suite in run order: every shape with each recipe."""
+    if quick:
+        shapes = list(QUICK_SCALED_SHAPES)
+    else:
+        shapes = [(_shape_name(s, s, s), s, s, s) for s in SCALED_SQUARE_SIZES]
+        shapes += [(name, m, n, k) for m in SCALED_LLAMA_MS for name, n, k in LLAMA_LAYERS]
+    return [ScaledCase(name, m, n, k, recipe)
+            for name, m, n, k in shapes for recipe in SCALED_RECIPES]
+
+
+# --- counts for --list --------------------------------------------------------------------------
+
+# Cold-start processes in run order, each with the mode it runs in (see coldstart.py).
+COLDSTART_RUNS = {"plain": "plain", "override, cold caches": "override",
+                  "override, warm caches": "override"}
+
+
+def suite_row_count(suite: str, quick: bool = False) -> int:
+    """Rows one suite reports (per dtype for the mm and latency suites)."""
+    if suite in MM_SUITES or suite == "latency":
+        return len(suite_cases(suite, quick))
+    if suite == "grouped":
+        return len(grouped_cases(quick))
+    if suite == "scaled":
+        return len(scaled_cases(quick))
+    if suite == "e2e":
+        return 1
+    if suite == "coldstart":
+        return len(COLDSTART_RUNS)
+    raise ValueError(f"unknown suite {suite!r}")
+
+
+def per_dtype(suite: str) -> bool:
+    """Whether a suite runs once per ``--dtypes`` entry (the others have fixed dtypes)."""
+    return suite in MM_SUITES or suite == "latency"

@@ -1,0 +1,251 @@
+"""How the benchmark times things on the GPU.
+
+Two timings per implementation, from the same back-to-back calls:
+
+- eager: a batch of ``calls`` plain Python calls, bracketed by CUDA events. Batches are queued
+  back to back without synchronising, so a call costs whichever is longer, the host's time to
+  issue it or the GPU's time to run it: what eager PyTorch code sees.
+- kernel-only: the same batch captured in a CUDA graph and replayed. The host launches one
+  graph per batch, so the time is the GPU's alone (what ``torch.compile(mode="reduce-overhead")``
+  and CUDA-graph serving see).
+
+Calls cycle through copies of the operands spanning 256 MB, so that each call reads operands
+that are not in L2. A batch lasts about 1 ms (at most ``max_calls`` calls): short enough to
+measure many batches, long enough that the gaps between batches do not count.
+
+(``triton.testing.do_bench`` instead clears L2 with a 256 MB memset before every call and times
+each call alone. While the GPU runs that memset, tens of microseconds, the host issues the next
+call, so a small GEMM's host time is hidden: it measures neither of the above.)
+
+The implementations of one row are timed in alternating order, ``rounds`` times, and each keeps
+its best median, so a clock or power dip during one measurement does not decide the ratio.
+Everything here needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+# Operand copies that calls cycle through span at least this many bytes (as much as do_bench
+# clears): several times the L2 cache of current GPUs.
+ROTATE_BYTES = 256 * 2**20
+BATCH_TARGET_MS = 1.0
+MIN_BATCHES = 5
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    """How long and how often to measure (command-line options)."""
+
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    rounds: int = 2
+    max_calls: int = 16
+
+
+@dataclass
+class Timings:
+    """Per implementation: median ms per call, eager and kernel-only (NaN where not measured)."""
+
+    eager_ms: dict[str, float] = field(default_factory=dict)
+    kernel_ms: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _elapsed_ms(run: Callable[[], Any]) -> float:
+    """ms between CUDA events around one ``run()`` on an idle GPU (host gaps included)."""
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_batches(run_batch: Callable[[], Any], calls: int, warmup_ms: float,
+                 rep_ms: float) -> float:
+    """Median ms per call over back-to-back batches of ``calls`` calls, each batch bracketed by
+    CUDA events; about ``warmup_ms`` of batches first, then at least ``rep_ms`` of them."""
+    batch_ms = max(_elapsed_ms(run_batch), 1e-3)
+    for _ in range(math.ceil(warmup_ms / batch_ms)):
+        run_batch()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(MIN_BATCHES, math.ceil(rep_ms / batch_ms)))]
+    for start, end in events:
+        start.record()
+        run_batch()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / calls
+
+
+def calls_per_batch(fn: Callable[..., Any], args: Sequence[Any], max_calls: int) -> int:
+    """How many calls make a batch of about BATCH_TARGET_MS (1 to ``max_calls``)."""
+    call_ms = max(_elapsed_ms(lambda: fn(*args)), 1e-3)
+    return max(1, min(max_calls, math.ceil(BATCH_TARGET_MS / call_ms)))
+
+
+def _clone(value: Any) -> Any:
+    """A copy of a tensor with the same strides (and requires_grad), anything else as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                               device=value.device)
+    copy.copy_(value.detach())
+    return copy.requires_grad_(value.requires_grad)
+
+
+def operand_copies(args: Sequence[Any], calls: int) -> list[tuple[Any, ...]]:
+    """``args`` and enough copies of its tensors to span ROTATE_BYTES (at most ``calls`` sets)."""
+    nbytes = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    count = max(1, min(calls, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+    return [tuple(args)] + [tuple(_clone(a) for a in args) for _ in range(count - 1)]
+
+
+def _batch(fn: Callable[..., Any], copies: Sequence[tuple[Any, ...]],
+           calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for i in range(calls):
+            fn(*copies[i % len(copies)])
+
+    return run
+
+
+def capture_graph(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``run()``, after one warm-up call on a side stream (as capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def short_error(exc: BaseException, limit: int = 120) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
+            settings: TimingSettings) -> Timings:
+    """Time each of ``fns`` (called as ``fn(*args)``, already warmed up and tuned) eager and
+    kernel-only, in alternating order, best of ``settings.rounds``.
+
+    Each measurement captures its own graph and drops it afterwards, so that only one graph's
+    memory pool is alive at a time. A function that cannot be captured (it synchronises, say)
+    keeps its eager time; its kernel-only time is NaN and a note says why.
+    """
+    first = next(iter(fns.values()))
+    calls = calls_per_batch(first, args, settings.max_calls)
+    copies = operand_copies(args, calls)
+    batches = {name: _batch(fn, copies, calls) for name, fn in fns.items()}
+    timings = Timings({name: math.inf for name in fns}, {name: math.inf for name in fns})
+    uncapturable: set[str] = set()
+    for round_index in range(settings.rounds):
+        names = list(fns) if round_index % 2 == 0 else list(reversed(fns))
+        for name in names:
+            eager = time_batches(batches[name], calls, settings.warmup_ms, settings.rep_ms)
+            timings.eager_ms[name] = min(timings.eager_ms[name], eager)
+            if name in uncapturable:
+                continue
+            try:
+                graph = capture_graph(batches[name])
+            except Exception as exc:  # reported in the row's note; the eager time stands
+                uncapturable.add(name)
+                timings.notes.append(f"{name}: no CUDA graph ({short_error(exc)})")
+                torch.cuda.synchronize()
+                continue
+            kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms)
+            timings.kernel_ms[name] = min(timings.kernel_ms[name], kernel)
+            del graph
+    for table in (timings.eager_ms, timings.kernel_ms):
+        for name, value in table.items():
+            table[name] = value if math.isfinite(value) else math.nan
+    return timings
+
+
+def host_us_per_call(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
+                     calls: int = 100, repeats: int = 20) -> dict[str, float]:
+    """Host time per call in microseconds: wall time of ``calls`` back-to-back calls, without
+    waiting for the GPU, over ``calls``; median of ``repeats``, the functions alternating.
+
+    The GPU's launch queue holds far more than ``calls`` small launches, so the host never waits
+    for the GPU inside the loop; it synchronises between repeats.
+    """
+    for fn in fns.values():
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for repeat in range(repeats):
+        names = list(fns) if repeat % 2 == 0 else list(reversed(fns))
+        for name in names:
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+# --- running rows -------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Row(Generic[R]):
+    """One row to measure: ``measure()`` gives its result, ``failed(message)`` the error row."""
+
+    label: str
+    measure: Callable[[], R]
+    failed: Callable[[str], R]
+
+
+def first_call(fn: Callable[[], R]) -> tuple[R, float]:
+    """``fn()`` and its wall time to completion in s (a first call tunes new size buckets)."""
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def run_rows(rows: Sequence[Row[R]]) -> list[R]:
+    """Measure each row in turn, progress on stderr. A row that raises (out of memory, a
+    missing feature, a wrong result) becomes its error row, its traceback goes to stderr, and
+    the run goes on."""
+    results = []
+    for index, row in enumerate(rows, 1):
+        print(f"[{index}/{len(rows)}] {row.label} ...", end=" ", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            result = row.measure()
+        except Exception as exc:
+            print("failed:", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            result = row.failed(short_error(exc))
+        else:
+            first = getattr(result, "first_call_s", math.nan)
+            tuning = f" (first tgemm call {first:.1f} s)" if math.isfinite(first) else ""
+            print(f"{time.perf_counter() - start:.1f} s{tuning}", file=sys.stderr, flush=True)
+        results.append(result)
+        # Give the cached blocks back so that large shapes do not stack up.
+        torch.cuda.empty_cache()
+    return results
