@@ -5,9 +5,10 @@
 It builds the drop-in example's model (its GPU defaults, bf16), then times the first training
 steps (forward, cross-entropy, backward, AdamW step, each to completion), plainly or inside
 ``torch_triton_gemm.override()``. The first step pays every one-time cost the process has not
-paid yet: CUDA and cuBLAS initialisation, and under the override tgemm's autotuning and Triton's
-compilation, unless Triton's on-disk cache (``TRITON_CACHE_DIR``) already holds them. It prints
-one JSON line: {"mode", "step_s": [seconds per step], "loss": first step's loss}.
+paid yet: CUDA and cuBLAS initialisation, and under the override Triton's compilation of tgemm's
+kernels (no tuning sweeps: untuned shapes run the heuristic's plans), unless Triton's on-disk
+cache (``TRITON_CACHE_DIR``) already holds them. It prints one JSON line:
+{"mode", "step_s": [seconds per step], "loss": first step's loss}.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def _time_steps(variants: dict[str, Callable[[], torch.Tensor]], warmup_steps: i
     synchronisation, so its time includes any launch overhead the GPU cannot hide.
     """
     for name, step in variants.items():
-        # The override's warm-up also autotunes every new GEMM bucket, forward and backward.
+        # The override's warm-up also compiles tgemm's kernels for every GEMM, forward and backward.
         print(f"e2e: {warmup_steps} warm-up steps, {name} ...", end=" ", file=sys.stderr,
               flush=True)
         start = time.perf_counter()
