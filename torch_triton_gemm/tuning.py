@@ -237,13 +237,17 @@ def force_plan(plan: MMPlan) -> Iterator[None]:
 # --- launch keyword arguments ---------------------------------------------------------------------
 
 @functools.cache
-def launch_meta(plan: MMPlan, split_k: int) -> Mapping[str, Any]:
-    """Meta-parameters launching ``plan``'s kernel with ``split_k`` splits (built once)."""
+def launch_meta(plan: MMPlan, split_k: int,
+                scaling: tuple[str, int, int, bool] = ("none", 1, 1, False)) -> Mapping[str, Any]:
+    """Meta-parameters launching ``plan``'s kernel with ``split_k`` splits and the scaling
+    recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM); built once, read-only."""
     tile = plan.tile
     meta: dict[str, Any] = {
         "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
         "GROUP_M": tile.group_m, "SPLIT_K": split_k,
         "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+        "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
+        "FAST_ACCUM": scaling[3],
     }
     if plan.kernel == "tma":
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile

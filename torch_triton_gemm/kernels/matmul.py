@@ -1,4 +1,5 @@
-"""The tgemm::mm kernels: C = act(A @ B + bias) for any strides and sizes.
+"""The GEMM kernels of tgemm::mm and tgemm::scaled_mm: C = act(A @ B + bias), A and B of any
+strides and sizes, unscaled or fp8 with tensor, row or block scales (SCALING).
 
 ``mm_kernel`` runs everywhere (any GPU, any alignment, Triton's CPU interpreter); the persistent
 ``mm_tma_kernel`` is the Hopper path for operands TMA can describe. Both can split K: each split
@@ -9,7 +10,15 @@ then writes an fp32 partial tile and ``splitk_reduce_kernel`` adds the partials 
 import triton
 import triton.language as tl
 
-from .tiles import bias_activation, grouped_tile, k_loop, store_epilogue, widen
+from .tiles import (
+    accumulate,
+    bias_activation,
+    grouped_tile,
+    k_loop,
+    outer_scales,
+    store_epilogue,
+    widen,
+)
 from .tma import load_operand, operand_descriptor
 
 
@@ -22,13 +31,15 @@ def store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64: tl.constex
 
 @triton.jit(do_not_specialize=["M"])
 def mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    stride_sam, stride_sak, stride_sbk, stride_sbn,
     k_per_split,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+    SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # One program computes one [BLOCK_M, BLOCK_N] tile of C over one K split; programs walk the
@@ -45,12 +56,17 @@ def mm_kernel(
     offs_m = widen(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
     offs_n = widen(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
     k_start = widen(split * k_per_split, INDEX_64)
+    rows = offs_m % M
+    cols = offs_n % N
     acc = k_loop(
-        a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, offs_m % M, offs_n % N,
+        a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start,
         tl.minimum(k_per_split, K - k_start),
         stride_am, stride_ak, stride_bk, stride_bn,
+        sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
     )
+    acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
     if SPLIT_K > 1:
         store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64)
     else:
@@ -62,13 +78,15 @@ def mm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def mm_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    stride_sam, stride_sak, stride_sbk, stride_sbn,
     k_per_split,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+    SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -99,17 +117,19 @@ def mm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         k = split * k_per_split
+        offs_m = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+        offs_n = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+        rows = offs_m % M  # scale lookups of edge tiles stay inside the scale tensors
+        cols = offs_n % N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(k_tiles):
             a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
             b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-            if UPCAST_TO_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = accumulate(acc, a, b, k, sa_ptr, sb_ptr, rows, cols,
+                             stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
+                             UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
             k += BLOCK_K
-        offs_m = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
-        offs_n = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+        acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
         if SPLIT_K > 1:
             store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64)
         elif C_TMA:

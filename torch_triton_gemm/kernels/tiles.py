@@ -12,6 +12,8 @@ ACTIVATIONS = ("none", "relu", "gelu", "silu", "leaky_relu")
 LEAKY_RELU_SLOPE = tl.constexpr(0.01)  # torch.nn.functional.leaky_relu's default
 GELU_TANH_COEFF = tl.constexpr(0.044715)
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+# K elements per scale of the blockwise fp8 recipe (1x128 and 128x128 blocks, as torch._scaled_mm).
+BLOCK_SCALE_K = tl.constexpr(128)
 
 
 @triton.jit
@@ -58,17 +60,61 @@ def dot_tile(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.conste
 
 
 @triton.jit
+def accumulate(acc, a, b, k, sa_ptr, sb_ptr, rows, cols,
+               stride_sam, stride_sak, stride_sbk, stride_sbn,
+               INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
+               SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr,
+               FAST_ACCUM: tl.constexpr):
+    """acc += the product of one K step's tiles, a (rows x [k, k + BLOCK_K)) and b, scaled as
+    SCALING says:
+
+    - "none": plain products (unscaled GEMMs; fp8 accumulates at the tensor cores' precision);
+    - "outer": fp8 with per-row / per-column scales applied after the loop (``outer_scales``);
+      without FAST_ACCUM each step's product is added in fp32, so the tensor cores' reduced-
+      precision fp8 sums span one step, not the whole K loop;
+    - "block": scales per 128 elements of K (and per SA_ROWS rows of a, SB_COLS columns of b),
+      applied to each step's product; BLOCK_K must divide 128.
+    """
+    if SCALING == "block":
+        kb = k // BLOCK_SCALE_K
+        sa = tl.load(sa_ptr + (rows // SA_ROWS) * stride_sam + kb * stride_sak)
+        sb = tl.load(sb_ptr + kb * stride_sbk + (cols // SB_COLS) * stride_sbn)
+        return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    elif SCALING == "outer" and not FAST_ACCUM:
+        return acc + tl.dot(a, b)
+    else:
+        return dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
+
+
+@triton.jit
+def outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn,
+                 SCALING: tl.constexpr):
+    """Apply per-row scales of a and per-column scales of b (stride 0: one scale each) to the
+    accumulated tile when SCALING is "outer"; other recipes pass acc through."""
+    if SCALING == "outer":
+        sa = tl.load(sa_ptr + rows * stride_sam)
+        sb = tl.load(sb_ptr + cols * stride_sbn)
+        acc = acc * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit
 def k_loop(
-    a_ptr, b_ptr, offs_m, offs_n, K,
+    a_ptr, b_ptr, offs_m, offs_n, k_start, K,
     stride_am, stride_ak, stride_bk, stride_bn,
+    sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
+    SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):
-    """Accumulate one [BLOCK_M, BLOCK_N] tile of A[offs_m, :] @ B[:, offs_n] in fp32.
+    """Accumulate one [BLOCK_M, BLOCK_N] tile of A[offs_m, k_start:k_start+K] @
+    B[k_start:k_start+K, offs_n] in fp32 (a_ptr and b_ptr point at column / row k_start).
 
     offs_m / offs_n must already point at valid rows / columns (callers wrap them modulo M / N),
     so only K needs masking: the full BLOCK_K steps run unmasked and software-pipelined, and one
-    masked step handles the remainder when K is not a multiple of BLOCK_K.
+    masked step handles the remainder when K is not a multiple of BLOCK_K. Each step goes
+    through ``accumulate`` (scaled recipes included).
     """
     offs_k = widen(tl.arange(0, BLOCK_K), INDEX_64)
     a_ptrs = a_ptr + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
@@ -77,17 +123,21 @@ def k_loop(
     b_step = BLOCK_K * widen(stride_bk, INDEX_64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_full = K // BLOCK_K
-    for _ in range(0, k_full):
+    for step in range(0, k_full):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
-        acc = dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
+        acc = accumulate(acc, a, b, k_start + step * BLOCK_K, sa_ptr, sb_ptr, offs_m, offs_n,
+                         stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
+                         UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
         a_ptrs += a_step
         b_ptrs += b_step
     k_left = K - k_full * BLOCK_K
     if k_left > 0:
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
+        acc = accumulate(acc, a, b, k_start + k_full * BLOCK_K, sa_ptr, sb_ptr, offs_m, offs_n,
+                         stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
+                         UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
     return acc
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.library import wrap_triton
@@ -239,9 +239,28 @@ def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
     return out
 
 
+class GemmScales(NamedTuple):
+    """fp8 scales for the GEMM kernels (tgemm::scaled_mm's tensorwise, rowwise and blockwise
+    recipes). "outer": scale_a per row of a, scale_b per column of b (stride 0 for one scale);
+    "block": scale_a per ``a_rows`` rows x 128 K elements, scale_b per 128 K x ``b_cols``
+    columns, indexed [row block, K block] and [K block, column block] through the strides."""
+    mode: str
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    strides: tuple[int, int, int, int]  # scale_a: rows, K blocks; scale_b: K blocks, columns
+    a_rows: int = 1
+    b_cols: int = 1
+    fast_accum: bool = False
+
+
+_NO_SCALES = (None, None, (0, 0, 0, 0), ("none", 1, 1, False))
+
+
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-              activation: str, traceable: bool = True, plan: tuning.MMPlan | None = None) -> None:
-    """Launch the mm kernels writing activation(a @ b + bias) into ``out`` (checked inputs).
+              activation: str, traceable: bool = True, plan: tuning.MMPlan | None = None,
+              scales: GemmScales | None = None) -> None:
+    """Launch the GEMM kernels writing activation(a @ b + bias) into ``out`` (checked inputs),
+    the product scaled by ``scales`` when given (fp8 recipes of tgemm::scaled_mm).
 
     ``traceable=False`` launches the Triton kernels directly instead of through ``wrap_triton``,
     for plain eager calls that nothing traces. ``plan`` replaces the plan choice (tuning); a
@@ -272,6 +291,9 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
+        if scales is not None and scales.mode == "block" and plan.tile.block_k > 128:
+            # A K step must stay inside one 128-wide scale block.
+            plan = dataclasses.replace(plan, tile=dataclasses.replace(plan.tile, block_k=128))
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
     else:
         # Symbolic sizes (torch.compile with dynamic shapes): one plan for every size, so that
@@ -283,7 +305,12 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                       (M, N, stride_cm, stride_cn), (split_k * M, N, N, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
-    meta = tuning.launch_meta(plan, split_k)
+    if scales is None:
+        scale_a, scale_b, scale_strides, scaling = _NO_SCALES
+    else:
+        scale_a, scale_b, scale_strides = scales.scale_a, scales.scale_b, scales.strides
+        scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
+    meta = tuning.launch_meta(plan, split_k, scaling)
     tiles = ((M + plan.tile.block_m - 1) // plan.tile.block_m) * (
         (N + plan.tile.block_n - 1) // plan.tile.block_n)
     if plan.kernel == "tma":
@@ -298,9 +325,10 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         grid = (tiles * split_k,)
     # Runtime arguments in the kernels' shared order; the plan's meta-parameters come after.
     args = (
-        a, b, out, bias, workspace, M, N, K, *strides, stride_cm, stride_cn, stride_bias,
-        k_per_split, bias is not None, activation, _input_precision(a.dtype),
-        _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
+        a, b, out, bias, workspace, scale_a, scale_b, M, N, K, *strides, stride_cm, stride_cn,
+        stride_bias, *scale_strides, k_per_split, bias is not None, activation,
+        _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
+        index_64,
     )
     _launch(kernel, grid, args, meta, traceable)
     if split_k > 1:
