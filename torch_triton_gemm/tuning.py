@@ -224,3 +224,120 @@ class TunedLaunch:
                 self._configs[key] = self.autotuned.best_config.all_kwargs()
             return
         self._kernel[grid(config)](*args, **config)
+
+
+# --- scaled_mm ----------------------------------------------------------------------------------
+# Tiles for tgemm::scaled_mm. BLOCK_K counts logical K elements (fp4 holds two a byte) and is not
+# rescaled per dtype: the blockwise recipe needs it to divide 128 and the microscaled ones need it
+# to be a multiple of their scale block (32 or 16), so every tile's BLOCK_K is 32, 64 or 128.
+
+SCALED_MM_TILES: tuple[TileConfig, ...] = (
+    # fp8 tensor-core shapes, as for mm with 1-byte inputs (K steps of 128).
+    TileConfig(128, 256, 128, 16, 8, 3),
+    TileConfig(256, 128, 128, 8, 8, 3),
+    TileConfig(128, 128, 128, 8, 8, 4),
+    TileConfig(128, 128, 128, 8, 4, 4),
+    TileConfig(128, 64, 128, 8, 4, 4),
+    TileConfig(64, 128, 128, 8, 4, 4),
+    TileConfig(64, 64, 128, 8, 4, 5),
+    # The microscaled emulation widens tiles to bf16 in registers: shorter K steps keep them small.
+    TileConfig(128, 128, 64, 8, 8, 3),
+    TileConfig(128, 128, 32, 8, 4, 4),
+    TileConfig(64, 64, 64, 8, 4, 4),
+    # Skinny M (decode): narrow tiles, many programs, deep pipelines.
+    TileConfig(16, 64, 128, 1, 4, 4),
+    TileConfig(16, 128, 128, 1, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 4),
+)
+
+# tl.dot_scaled on tensor cores (sm_100) wants 128-row tiles and K steps of at least 128.
+SCALED_MM_NATIVE_TILES: tuple[TileConfig, ...] = (
+    TileConfig(128, 256, 128, 8, 8, 3),
+    TileConfig(128, 128, 128, 8, 4, 4),
+    TileConfig(128, 128, 256, 8, 4, 3),
+)
+
+# One modest tile for the interpreter: BLOCK_K = 32 divides 128 and is a multiple of every scale
+# block, so it serves all recipes.
+SCALED_MM_INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
+
+
+def _scaled_tile_allowed(tile: TileConfig, scaling: str, scale_k: int) -> bool:
+    if scaling == "micro_native":
+        return tile in SCALED_MM_NATIVE_TILES
+    if tile not in SCALED_MM_TILES:
+        return False
+    if scaling == "block":
+        return 128 % tile.block_k == 0
+    if scaling == "micro":
+        return tile.block_k % scale_k == 0
+    return True
+
+
+def _scaled_shared_memory_bytes(tile: TileConfig, scaling: str) -> int:
+    # fp8 tiles take a byte an element per stage; the emulation also stages bf16 copies.
+    staged = (tile.block_m + tile.block_n) * tile.block_k * tile.num_stages
+    if scaling == "micro":
+        staged += (tile.block_m + tile.block_n) * tile.block_k * 2
+    return staged
+
+
+def _prune_scaled_mm_configs(configs: list[triton.Config], named_args: dict[str, Any],
+                             **kwargs: Any) -> list[triton.Config]:
+    """early_config_prune for the scaled_mm autotuner: configs the recipe allows that fit the
+    size bucket and shared memory."""
+    named_args = {**named_args, **kwargs}
+    a = named_args["a_ptr"]
+    scaling, scale_k = named_args["SCALING"], named_args["SCALE_K"]
+    smem_limit = _device.shared_memory_per_block(a.device.index or 0)
+    m_bucket, n_bucket, k_bucket = (named_args[k] for k in ("M_BUCKET", "N_BUCKET", "K_BUCKET"))
+    sizes_known = not any(isinstance(x, torch.SymInt) for x in (m_bucket, n_bucket, k_bucket))
+    kept = []
+    for cfg in configs:
+        kw = cfg.kwargs
+        tile = TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"],
+                          cfg.num_warps, cfg.num_stages)
+        if not _scaled_tile_allowed(tile, scaling, scale_k):
+            continue
+        if sizes_known and scaling != "micro_native" and not _fits_problem(tile, m_bucket,
+                                                                           n_bucket):
+            continue
+        if _scaled_shared_memory_bytes(tile, scaling) > smem_limit:
+            continue
+        kept.append(cfg)
+    if not kept:
+        kept = [_as_triton(heuristic_scaled_mm_tile(m_bucket, n_bucket, scaling))]
+    return kept
+
+
+def scaled_mm_configs() -> list[triton.Config]:
+    """Every config the scaled_mm autotuner may try (pruned per call by recipe and size)."""
+    tiles = list(SCALED_MM_TILES) + [t for t in SCALED_MM_NATIVE_TILES if t not in SCALED_MM_TILES]
+    return [_as_triton(t) for t in tiles]
+
+
+def heuristic_scaled_mm_tile(m: int, n: int, scaling: str) -> TileConfig:
+    """The scaled_mm tile used without autotuning (and under symbolic sizes' fallback)."""
+    if _device.interpreter_enabled():
+        return SCALED_MM_INTERPRETER_TILE
+    if scaling == "micro_native":
+        return TileConfig(128, 128, 128, 8, 4, 4)
+    if scaling == "micro":
+        return TileConfig(128, 128, 64, 8, 8, 3)
+    if isinstance(m, int) and m <= 16:
+        return TileConfig(16, 64, 128, 1, 4, 4)
+    if isinstance(m, int) and m <= 64:
+        return TileConfig(64, 64, 128, 8, 4, 5)
+    return TileConfig(128, 128, 128, 8, 8, 4)
+
+
+def autotune_scaled_mm(kernel: Any) -> Any:
+    """Wrap the scaled_mm kernel in Triton's autotuner, keyed on size buckets, operand layout and
+    the recipe (scaling mode, formats, scale block)."""
+    return triton.autotune(
+        configs=scaled_mm_configs(),
+        key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "SCALING", "FORMAT_A", "FORMAT_B",
+             "SCALE_FORMAT", "SCALE_K"],
+        prune_configs_by={"early_config_prune": _prune_scaled_mm_configs},
+        cache_results=True,
+    )(kernel)
