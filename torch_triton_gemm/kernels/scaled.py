@@ -136,14 +136,16 @@ def dequantize_tile(tile, scales, FORMAT: tl.constexpr, SCALE_FORMAT: tl.constex
 def fp8_dot(a, b, acc, FAST_ACCUM: tl.constexpr):
     """acc + a @ b in fp32 for fp8 tiles (acc may be None).
 
-    Hopper's fp8 MMA sums products in a reduced-precision accumulator. Unless FAST_ACCUM, the
-    partial sums go into fp32 after every tile (max_num_imprecise_acc = the tile's K); with it,
-    the backend's default lets them run through the whole K loop in the MMA's accumulator.
+    Hopper's fp8 MMA adds products into its accumulator at reduced precision. With FAST_ACCUM
+    the accumulator runs through the whole K loop that way (cuBLAS's fast accumulation). Without
+    it each tile's product starts from zero and is added to acc in fp32, so imprecise sums span
+    one BLOCK_K step, as with ``max_num_imprecise_acc=BLOCK_K`` (which promotes inside the MMA
+    sequence and makes ptxas serialise the wgmma instructions; this form waits once per step).
     """
-    if FAST_ACCUM:
+    if FAST_ACCUM or acc is None:
         return tl.dot(a, b, acc)
     else:
-        return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
+        return acc + tl.dot(a, b)
 
 
 @triton.jit
