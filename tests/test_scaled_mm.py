@@ -554,6 +554,66 @@ def test_traced_without_interpreter_exposes_the_kernel():
     ], out
 
 
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torch_triton_gemm.kernels.scaled import scaled_mm_kernel as kernel
+
+POINTER = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "e2m1": "*u8", "fp32": "*fp32", "e8m0": "*u8"}
+RUNTIME = ["M", "N", "K", "stride_am", "stride_bn", "stride_cm", "stride_bias", "stride_sam",
+           "stride_sak", "stride_sbk", "stride_sbn", "M_BUCKET", "N_BUCKET", "K_BUCKET",
+           "LAYOUT"]
+ALIGNED = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "stride_am", "stride_bn",
+           "stride_cm", "K"]
+
+def compile_for(arch, scaling, fmt, scale_fmt, scale_k, tile, fast=False):
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    signature = {"a_ptr": POINTER[fmt], "b_ptr": POINTER[fmt], "c_ptr": "*bf16",
+                 "bias_ptr": "*fp32", "sa_ptr": POINTER[scale_fmt],
+                 "sb_ptr": POINTER[scale_fmt], **{name: "i32" for name in RUNTIME}}
+    # b = W.t(): both operands K-major, as a launch specialises unit strides.
+    constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, SCALING=scaling, FORMAT_A=fmt,
+                     FORMAT_B=fmt, SCALE_FORMAT=scale_fmt, SCALE_K=scale_k, SA_ROWS=1,
+                     SB_COLS=128 if scaling == "block" else 1, HAS_BIAS=True,
+                     FAST_ACCUM=fast, UPCAST_TO_FP32=False, INDEX_64=False, BLOCK_M=block_m,
+                     BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8)
+    signature.update({name: "constexpr" for name in constants})
+    index = kernel.arg_names.index
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(index(k),): v for k, v in constants.items()},
+        attrs={(index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ir = compiled.asm["ttgir"]
+    mma = [op for op in ("warp_group_dot", "tc_gen5_mma_scaled", "tc_gen5_mma") if op in ir]
+    print(arch, scaling, fmt, scale_fmt, mma[0], compiled.metadata.shared)
+
+compile_for(90, "outer", "e4m3", "fp32", 0, (128, 128, 128, 8, 3))
+compile_for(90, "outer", "e5m2", "fp32", 0, (128, 128, 128, 8, 3), fast=True)
+compile_for(90, "block", "e4m3", "fp32", 128, (128, 128, 128, 8, 3))
+compile_for(90, "micro", "e2m1", "e4m3", 16, (128, 128, 64, 8, 3))
+compile_for(100, "micro_native", "e2m1", "e8m0", 32, (128, 128, 128, 4, 3))
+"""
+
+
+def test_kernel_compiles_for_hopper_and_blackwell():
+    """Triton compiles the kernel for sm_90 and sm_100 without a GPU: fp8 recipes and decoded
+    microscaling on Hopper's wgmma (software-pipelined: several stages of shared memory), the
+    block-scaled tensor-core MMA for mxfp4 on Blackwell."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for fixed GPU targets on a GPU-less host; the GPU tests run it")
+    out = _run_without_interpreter(_COMPILE_SCRIPT).split("\n")
+    assert out[:5] == [
+        "90 outer e4m3 fp32 warp_group_dot 98304",
+        "90 outer e5m2 fp32 warp_group_dot 98304",
+        "90 block e4m3 fp32 warp_group_dot 98304",
+        "90 micro e2m1 e4m3 warp_group_dot 32768",
+        "100 micro_native e2m1 e8m0 tc_gen5_mma_scaled 33280",
+    ], out
+
+
 def test_eager_backend_compile(device):
     """torch.compile (eager backend, fullgraph) keeps tgemm::scaled_mm as one node."""
     graphs = []
