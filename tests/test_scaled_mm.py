@@ -248,6 +248,18 @@ def test_deterministic(device):
         assert torch.equal(tg.scaled_mm(a, b, sa, sb), tg.scaled_mm(a, b, sa, sb))
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_matches_torch_scaled_mm_small(device, recipe):
+    """torch._scaled_mm (CPU kernels here, cuBLAS on a GPU) computes the same product."""
+    a, b, sa, sb = quantized_pair(40, 48, 128, recipe, recipe, device)
+    bias = torch.randn(48, device=device, dtype=torch.bfloat16)
+    ours = tg.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
+    theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    ref = reference(a, b, sa, sb, recipe, recipe, bias)
+    assert rel_error(ours, ref) <= TOLERANCE and rel_error(theirs, ref) <= TOLERANCE
+    assert rel_error(ours, theirs.double()) <= TOLERANCE
+
+
 # --- scales are multipliers, used as given ------------------------------------------------------
 
 def test_zero_negative_and_non_finite_scales_are_used_as_given(device):
@@ -630,6 +642,28 @@ def test_eager_backend_compile(device):
     out = torch.compile(f, backend=record, fullgraph=True)(a, b, sa, sb, bias)
     assert "tgemm.scaled_mm" in graphs[0].code
     assert torch.equal(out, f(a, b, sa, sb, bias))
+
+
+def test_torch_export_keeps_the_op(device):
+    class Fp8Linear(torch.nn.Module):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+            super().__init__()
+            wq, ws = tg.quantize(weight.t(), "rowwise", "b")
+            self.register_buffer("wq", wq)
+            self.register_buffer("ws", ws)
+            self.register_buffer("bias", bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            xq, xs = tg.quantize(x, "rowwise", "a")
+            return tg.scaled_mm(xq, self.wq, xs, self.ws, self.bias, torch.float32)
+
+    model = Fp8Linear(torch.randn(24, 64, device=device), torch.randn(24, device=device))
+    x = torch.randn(13, 64, device=device)
+    exported = torch.export.export(model, (x,))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert "tgemm.scaled_mm.default" in targets
+    x2 = torch.randn(13, 64, device=device)
+    assert torch.equal(exported.module()(x2), model(x2))
 
 
 # --- GPU only -----------------------------------------------------------------------------------
