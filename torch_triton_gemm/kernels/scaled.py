@@ -9,9 +9,9 @@ Four ways to apply the scales, chosen by the ``SCALING`` constexpr:
   columns) of B, the groups 1 or 128 wide (DeepSeek-V3's 1x128 / 128x128 recipe). BLOCK_K divides
   128, so each K step lies in one scale block: its fp8 product is scaled before it is accumulated.
 - "micro": microscaling (mxfp8, mxfp4, nvfp4) without tensor-core support: each operand tile is
-  decoded (fp4 nibbles unpacked), multiplied by its per-SCALE_K scales and rounded to bf16 (exact:
-  an fp4/fp8 value times a power of two or an e4m3 scale fits bf16's 8 significant bits), and the
-  tiles go through a bf16 dot with fp32 accumulation.
+  decoded (fp4 nibbles unpacked), multiplied by its per-SCALE_K scales and rounded to bf16 (exact
+  within bf16's range: an fp4/fp8 value times a power of two or an e4m3 scale fits bf16's 8
+  significant bits), and the tiles go through a bf16 dot with fp32 accumulation.
 - "micro_native": the same formats through ``tl.dot_scaled`` (tensor cores on sm_100).
 
 Operand tiles are loaded by small helpers (``load_a_tile`` / ``load_b_tile``) that take the K
