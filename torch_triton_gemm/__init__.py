@@ -4,7 +4,9 @@ Importing the package registers the operators under ``torch.ops.tgemm``.
 """
 
 from .ops.mm import mm
+from .ops.scaled_mm import scaled_mm
 from .override import override
+from .quantize import dequantize, quantize
 
-__all__ = ["mm", "override"]
+__all__ = ["dequantize", "mm", "override", "quantize", "scaled_mm"]
 __version__ = "0.1.0"

@@ -116,3 +116,16 @@ def install_tma_allocator() -> None:
     import triton
 
     triton.set_allocator(_allocate_scratch)
+
+
+def supports_native_fp4(device: torch.device) -> bool:
+    """True where ``tl.dot_scaled`` runs microscaled products (mxfp8, mxfp4, nvfp4) on tensor
+    cores: CUDA GPUs of compute capability 10.x (B200, GB200). Hopper (9.0) has fp8 but no fp4
+    or block-scaled tensor-core instructions; there the ops decode the operands in registers.
+
+    False for CPU tensors (the interpreter) and when no GPU can be asked (tracing CUDA
+    FakeTensors on a CPU-only host), so traced graphs take the path that runs on every GPU.
+    """
+    if device.type != "cuda" or interpreter_enabled() or not torch.cuda.is_available():
+        return False
+    return capability(device)[0] == 10

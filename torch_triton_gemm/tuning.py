@@ -373,3 +373,26 @@ def _fits_problem(tile: TileConfig, m: int, n: int) -> bool:
     if mb <= 64 and tile.block_m > 64:
         return False
     return True
+
+
+# --- scaled_mm (microscaled formats) -------------------------------------------------------------
+# The fp8 recipes with float32 scales use the mm plans above. The microscaled kernel's BLOCK_K
+# counts logical K elements (fp4 holds two a byte) and is a multiple of every scale block (16, 32).
+
+# Decoding to bf16 in registers widens the tiles: modest tiles and K steps keep them in registers.
+SCALED_MM_MICRO_TILE = TileConfig(128, 128, 64, 8, 8, 3)
+SCALED_MM_MICRO_SKINNY_TILE = TileConfig(16, 64, 64, 1, 4, 4)
+# tl.dot_scaled on tensor cores (sm_100) wants 128-row tiles and K steps of at least 128.
+SCALED_MM_NATIVE_TILE = TileConfig(128, 256, 128, 8, 8, 3)
+SCALED_MM_INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
+
+
+def heuristic_scaled_mm_tile(m: int, n: int, scaling: str) -> TileConfig:
+    """The microscaled kernel's tile: one per path (and a skinny one for decode)."""
+    if _device.interpreter_enabled():
+        return SCALED_MM_INTERPRETER_TILE
+    if scaling == "micro_native":
+        return SCALED_MM_NATIVE_TILE
+    if type(m) is int and m <= 32:
+        return SCALED_MM_MICRO_SKINNY_TILE
+    return SCALED_MM_MICRO_TILE

@@ -1,0 +1,821 @@
+"""tgemm::scaled_mm: numerics per recipe, scale semantics, errors, gradients, opcheck, fake tensors.
+
+Every case is checked against a float64 dequantize-then-matmul reference. Without a GPU the
+kernels run on CPU tensors in Triton's interpreter (see conftest.py); GPU-only tests carry the
+``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+from samples import rel_error
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm import tuning
+from torch_triton_gemm.ops.scaled_mm import _check_inputs, launch_scaled_mm
+from torch_triton_gemm.quantize import RECIPES as QUANTIZE_RECIPES
+from torch_triton_gemm.quantize import dequantize
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+E4M3, E5M2, FP4 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2
+TOLERANCE = 1e-2  # DESIGN.md: fp8 against the dequantized float64 reference
+
+# (recipe of a, recipe of b, fp8 dtype of a, fp8 dtype of b, K): one row per recipe family. K is
+# a multiple of 128 for blockwise (200, a partial last scale block, is covered below), of the
+# scale block for the microscaled recipes, and odd where any K is allowed.
+RECIPES = [
+    ("tensorwise", "tensorwise", E4M3, E4M3, 70),
+    ("tensorwise", "tensorwise", E5M2, E5M2, 45),
+    ("rowwise", "rowwise", E4M3, E5M2, 70),
+    ("blockwise", "blockwise", E4M3, E4M3, 256),  # 1x128 x 128x128 (DeepSeek-V3)
+    ("blockwise_1x128", "blockwise_1x128", E4M3, E4M3, 256),
+    ("blockwise_128x128", "blockwise_1x128", E4M3, E4M3, 256),
+    ("blockwise_128x128", "blockwise_128x128", E4M3, E4M3, 200),
+    ("mxfp8", "mxfp8", E4M3, E4M3, 96),
+    ("mxfp8", "mxfp8", E5M2, E4M3, 64),
+    ("mxfp4", "mxfp4", None, None, 96),
+    ("mxfp8", "mxfp4", E4M3, None, 64),
+    ("nvfp4", "nvfp4", None, None, 48),  # a masked K remainder after one 32-wide step
+]
+B_LAYOUTS = ("nt", "row")  # b as W.t() (K-major, what quantize returns) and b row-major [K, N]
+
+
+def _recipe_id(row) -> str:
+    ra, rb, da, db, k = row
+    name = ra if ra == rb else f"{ra}x{rb}"
+    dtypes = "-".join(str(d).split("_")[1] for d in (da, db) if d is not None)
+    return f"{name}-{dtypes}-K{k}" if dtypes else f"{name}-K{k}"
+
+
+@dataclass
+class ScaledSample:
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    recipe_a: str
+    recipe_b: str
+    bias: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
+    name: str = ""
+
+    def args(self) -> tuple:
+        return (self.a, self.b, self.scale_a, self.scale_b, self.bias, self.out_dtype)
+
+    def reference(self) -> torch.Tensor:
+        return reference(self.a, self.b, self.scale_a, self.scale_b, self.recipe_a,
+                         self.recipe_b, self.bias)
+
+
+def reference(a, b, scale_a, scale_b, recipe_a, recipe_b, bias=None) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) + bias in float64 (dequantize, then matmul)."""
+    out = dequantize(a, scale_a, recipe_a, "a") @ dequantize(b, scale_b, recipe_b, "b")
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+def quantized_pair(m: int, n: int, k: int, recipe_a: str, recipe_b: str, device: str,
+                   dtype_a=E4M3, dtype_b=E4M3, b_layout: str = "nt"):
+    """Fresh random a [M, K] and b [K, N] (b = W.t()), quantized with each recipe."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    a, sa = tg.quantize(x, recipe_a, "a", dtype=dtype_a or E4M3)
+    b, sb = tg.quantize(w.t(), recipe_b, "b", dtype=dtype_b or E4M3)
+    if b_layout == "row":
+        b = b.contiguous()
+    return a, b, sa, sb
+
+
+def sample_inputs(device: str, requires_grad: bool = False) -> list[ScaledSample]:
+    """Recipes x out dtypes x b layouts at odd M and N, a bias on every other sample."""
+    samples = []
+    bias_dtypes = (torch.bfloat16, torch.float32, torch.float16)
+    for i, row in enumerate(RECIPES):
+        ra, rb, da, db, k = row
+        for j, out_dtype in enumerate(OUT_DTYPES):
+            for layout in B_LAYOUTS:
+                m, n = 37, 21
+                a, b, sa, sb = quantized_pair(m, n, k, ra, rb, device, da, db, layout)
+                bias = None
+                if (i + j) % 2 == 0:
+                    bias = torch.randn(n, device=device, dtype=bias_dtypes[(i + j) % 3])
+                    bias.requires_grad_(requires_grad)
+                samples.append(ScaledSample(
+                    a, b, sa, sb, ra, rb, bias, out_dtype,
+                    name=f"{_recipe_id(row)}-{str(out_dtype)[6:]}-{layout}"))
+    return samples
+
+
+def _poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+def test_matches_float64_reference(device):
+    """Every recipe x out dtype x b layout, through the public function, the registered op and a
+    launch into a NaN-filled buffer (every element must be written)."""
+    for s in sample_inputs(device):
+        ref = s.reference()
+        out = tg.scaled_mm(*s.args())
+        assert out.shape == ref.shape and out.dtype == s.out_dtype, s.name
+        assert out.is_contiguous(), s.name
+        err = rel_error(out, ref)
+        assert err <= TOLERANCE, f"{s.name}: rel err {err:.3e}"
+        assert torch.equal(torch.ops.tgemm.scaled_mm(*s.args()), out), s.name
+        out_dtype, recipe = _check_inputs(*s.args())
+        poisoned = _poisoned(tuple(ref.shape), out_dtype, device)
+        launch_scaled_mm(s.a, s.b, s.scale_a, s.scale_b, s.bias, poisoned, recipe)
+        assert torch.equal(poisoned, out), s.name
+
+
+def test_recipes_read_from_scale_shapes(device):
+    """The recipe each sample's scales select, as torch._scaled_mm would read them."""
+    expected = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mxfp8": "mxfp8",
+                "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
+    for s in sample_inputs(device)[:: 2 * len(OUT_DTYPES)]:
+        _, recipe = _check_inputs(*s.args())
+        if s.recipe_a.startswith("blockwise"):
+            a_rows = 128 if s.recipe_a.endswith("128x128") else 1
+            b_cols = 1 if s.recipe_b.endswith("1x128") else 128
+            assert (recipe.name, recipe.a_rows, recipe.b_cols) == ("blockwise", a_rows, b_cols)
+        elif s.recipe_a != s.recipe_b:
+            assert recipe.name == f"{s.recipe_a} x {s.recipe_b}"
+        else:
+            assert recipe.name == expected[s.recipe_a], s.name
+
+
+def test_default_out_dtype_is_bfloat16(device):
+    a, b, sa, sb = quantized_pair(9, 17, 64, "rowwise", "rowwise", device)
+    out = tg.scaled_mm(a, b, sa, sb)
+    assert out.dtype == torch.bfloat16
+    assert rel_error(out, reference(a, b, sa, sb, "rowwise", "rowwise")) <= TOLERANCE
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "mxfp8 x mxfp4"])
+def test_dot_scaled_path(device, recipe):
+    """The tl.dot_scaled path that Blackwell GPUs take, here in the interpreter (whose dot_scaled
+    takes e8m0 scales only), also with a 64-wide K step that leaves a masked remainder."""
+    if not tgemm_device.interpreter_enabled() and not tgemm_device.supports_native_fp4(
+            torch.device(device)):
+        pytest.skip("this GPU has no block-scaled tensor cores; the decode path is tested")
+    ra, _, rb = recipe.partition(" x ")
+    rb = rb or ra
+    a, b, sa, sb = quantized_pair(33, 40, 96, ra, rb, device)
+    ref = reference(a, b, sa, sb, ra, rb)
+    _, r = _check_inputs(a, b, sa, sb, None, torch.float32)
+    for tile in (None, tuning.TileConfig(32, 32, 64, 4, 4, 1)):
+        for native in (True, False):
+            out = _poisoned((33, 40), torch.float32, device)
+            launch_scaled_mm(a, b, sa, sb, None, out, r, native=native, tile=tile)
+            assert rel_error(out, ref) <= 1e-5, (tile, native)
+
+
+def test_partial_blocks_and_k_remainders(device):
+    """K steps that end inside a scale block or past K: blockwise K=200 (a 72-wide last block,
+    an 8-wide masked step with 32-wide steps); microscaled K=96 in 64-wide steps."""
+    cases = [("blockwise", 200, tuning.TileConfig(32, 32, 32, 4, 4, 1)),
+             ("blockwise", 200, tuning.TileConfig(16, 32, 64, 4, 4, 1)),
+             ("mxfp4", 96, tuning.TileConfig(32, 32, 64, 4, 4, 1)),
+             ("nvfp4", 80, tuning.TileConfig(32, 16, 32, 4, 4, 1))]
+    for recipe, k, tile in cases:
+        a, b, sa, sb = quantized_pair(19, 23, k, recipe, recipe, device)
+        _, r = _check_inputs(a, b, sa, sb, None, torch.float32)
+        out = _poisoned((19, 23), torch.float32, device)
+        launch_scaled_mm(a, b, sa, sb, None, out, r, tile=tile)
+        err = rel_error(out, reference(a, b, sa, sb, recipe, recipe))
+        assert err <= 1e-5, (recipe, k, tile, err)
+
+
+def test_any_operand_layout(device):
+    """a column-major, a sliced view, b row-major: the same product (beyond torch's layouts)."""
+    x = torch.randn(45, 160, device=device)
+    w = torch.randn(160, 27, device=device)
+    a, sa = tg.quantize(x, "blockwise", "a")
+    b, sb = tg.quantize(w, "blockwise", "b")
+    ref = reference(a, b, sa, sb, "blockwise", "blockwise")
+    a_col = a.t().contiguous().t()
+    big = torch.zeros(50, 170, device=device).to(E4M3)
+    big[3:48, 5:165] = a
+    a_sliced = big[3:48, 5:165]
+    for aa, bb in ((a_col, b), (a_sliced, b.contiguous()), (a_col, b.t().contiguous().t())):
+        out = tg.scaled_mm(aa, bb, sa, sb, out_dtype=torch.float32)
+        assert rel_error(out, ref) <= 1e-5
+
+
+def test_scale_layouts_any_strides(device):
+    """Scales are indexed logically: a transposed-contiguous or strided copy gives the same."""
+    a, b, sa, sb = quantized_pair(21, 33, 128, "mxfp8", "mxfp8", device)
+    out = tg.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    sa2 = sa.t().contiguous().t()
+    sb2 = sb.contiguous()
+    assert torch.equal(tg.scaled_mm(a, b, sa2, sb2, out_dtype=torch.float32), out)
+
+
+def test_empty_and_k_zero(device):
+    for m, n in ((0, 8), (8, 0)):
+        a, b, sa, sb = quantized_pair(m, n, 32, "tensorwise", "tensorwise", device)
+        assert tg.scaled_mm(a, b, sa, sb).shape == (m, n)
+    a, b, sa, sb = quantized_pair(5, 7, 0, "rowwise", "rowwise", device)
+    bias = torch.randn(7, device=device)
+    out = tg.scaled_mm(a, b, sa, sb, bias, torch.float32)
+    assert torch.equal(out, bias.expand(5, 7))
+
+
+def test_fast_accum_within_tolerance(device):
+    a, b, sa, sb = quantized_pair(40, 24, 256, "rowwise", "rowwise", device)
+    ref = reference(a, b, sa, sb, "rowwise", "rowwise")
+    for fast in (False, True):
+        out = tg.scaled_mm(a, b, sa, sb, None, torch.float32, use_fast_accum=fast)
+        assert rel_error(out, ref) <= TOLERANCE
+
+
+def test_deterministic(device):
+    for recipe in ("rowwise", "blockwise", "nvfp4"):
+        a, b, sa, sb = quantized_pair(40, 36, 128, recipe, recipe, device)
+        assert torch.equal(tg.scaled_mm(a, b, sa, sb), tg.scaled_mm(a, b, sa, sb))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_matches_torch_scaled_mm_small(device, recipe):
+    """torch._scaled_mm (CPU kernels here, cuBLAS on a GPU) computes the same product."""
+    a, b, sa, sb = quantized_pair(40, 48, 128, recipe, recipe, device)
+    bias = torch.randn(48, device=device, dtype=torch.bfloat16)
+    ours = tg.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
+    theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+    ref = reference(a, b, sa, sb, recipe, recipe, bias)
+    assert rel_error(ours, ref) <= TOLERANCE and rel_error(theirs, ref) <= TOLERANCE
+    assert rel_error(ours, theirs.double()) <= TOLERANCE
+
+
+# --- scales are multipliers, used as given ------------------------------------------------------
+
+def test_zero_negative_and_non_finite_scales_are_used_as_given(device):
+    """No host-side check: a zero scale zeroes its rows, a negative one negates them, inf and NaN
+    reach exactly the outputs they multiply; the other outputs do not change."""
+    a, b, sa, sb = quantized_pair(12, 20, 64, "rowwise", "rowwise", device)
+    base = tg.scaled_mm(a, b, sa, sb, None, torch.float32)
+    sa2 = sa.clone()
+    sa2[1] = 0.0
+    sa2[2] = -sa[2]
+    sa2[3] = float("inf")
+    sa2[4] = float("nan")
+    out = tg.scaled_mm(a, b, sa2, sb, None, torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[2], -base[2])
+    assert not torch.isfinite(out[3]).any()
+    assert torch.isnan(out[4]).all()
+    keep = [0, *range(5, 12)]
+    assert torch.equal(out[keep], base[keep])
+
+
+def test_microscaled_special_scales(device):
+    """e8m0 byte 255 is NaN: it poisons the rows of its block; an nvfp4 e4m3 scale of zero
+    zeroes its block's contribution and a negative one negates it."""
+    a, b, sa, sb = quantized_pair(8, 16, 64, "mxfp4", "mxfp4", device)
+    bytes_a = sa.view(torch.uint8).clone()
+    bytes_a[5, 1] = 255
+    out = tg.scaled_mm(a, b, bytes_a.view(torch.float8_e8m0fnu), sb, None, torch.float32)
+    assert torch.isnan(out[5]).all()
+    assert torch.isfinite(out[[0, 1, 2, 3, 4, 6, 7]]).all()
+
+    a, b, sa, sb = quantized_pair(8, 16, 32, "nvfp4", "nvfp4", device)
+    sa2 = sa.clone()
+    sa2[:, 0] = 0.0  # drop K 0..15
+    sa2[:, 1] = -sa[:, 1].float()
+    out = tg.scaled_mm(a, b, sa2, sb, None, torch.float32)
+    ref = reference(a, b, sa2, sb, "nvfp4", "nvfp4")
+    assert rel_error(out, ref) <= 1e-5
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def _bad_inputs(device: str):
+    a, b, sa, sb = quantized_pair(4, 6, 64, "rowwise", "rowwise", device)
+    ma, mb, msa, msb = quantized_pair(4, 6, 64, "mxfp8", "mxfp8", device)
+    fa, fb, fsa, fsb = quantized_pair(4, 6, 64, "nvfp4", "nvfp4", device)
+    ba, bb, bsa, bsb = quantized_pair(4, 6, 256, "blockwise", "blockwise", device)
+    e8m0 = torch.float8_e8m0fnu
+    return [
+        ((a.float(), b, sa, sb), ValueError,
+         "tgemm::scaled_mm: a has dtype torch.float32; scaled_mm takes quantized operands"),
+        ((a, b.to(torch.bfloat16), sa, sb), ValueError, "b has dtype torch.bfloat16"),
+        ((a.unsqueeze(0), b, sa, sb), RuntimeError, "a must be 2-D [M, K], got 3-D"),
+        ((a, b[:32], sa, sb), RuntimeError,
+         "tgemm::scaled_mm: a has K=64 but b has K=32"),
+        ((a, b, sa.half(), sb.half()), ValueError,
+         "scale_a and scale_b must share one scale dtype: float32"),
+        ((a, b, sa, sb.double()), ValueError, "got scale_a torch.float32 and scale_b "
+                                              "torch.float64"),
+        ((a, b, sa[:3], sb), RuntimeError,
+         "tgemm::scaled_mm: scale shapes fit no recipe: got scale_a (3, 1) and scale_b (1, 6)"),
+        ((a, b, sa.reshape(4), sb), RuntimeError, "scale shapes fit no recipe"),
+        ((ba, bb, bsa[:, :1], bsb), RuntimeError,
+         "Blockwise (kb = ceil(K/128) = 2): scale_a (4, 2) for 1x128"),
+        ((ma[:, :48], mb[:48], msa[:, :1], msb[:1]), ValueError,
+         "tgemm::scaled_mm: mxfp8 scales cover 32 elements of K, so K must be a multiple of "
+         "32; got K=48"),
+        ((fa[:, :4], fb[:4], fsa[:, :1], fsb[:1]), ValueError,
+         "nvfp4 scales cover 16 elements of K, so K must be a multiple of 16; got K=8"),
+        ((ma, mb, msa[:, :1], msb), RuntimeError,
+         "mxfp8 takes one torch.float8_e8m0fnu scale per 32 elements along K: scale_a (4, 2)"),
+        ((fa, fb, fsa.float(), fsb.float()), ValueError,
+         "float32 scales (tensorwise, rowwise, blockwise) go with fp8 operands"),
+        ((ma, mb, msa.view(torch.uint8).view(E4M3), msb.view(torch.uint8).view(E4M3)),
+         ValueError, "float8_e4m3fn scales are nvfp4's and go with float4_e2m1fn_x2"),
+        ((ma, mb, msa, msb.view(torch.uint8).view(E4M3)), ValueError,
+         "must share one scale dtype"),
+        ((a, b, sa, sb, torch.randn(5, device=device)), RuntimeError,
+         "tgemm::scaled_mm: bias must be 1-D of size N=6 (b's columns), got shape (5,)"),
+        ((a, b, sa, sb, torch.ones(6, device=device, dtype=torch.int32)), ValueError,
+         "bias has dtype torch.int32"),
+        ((a, b, sa, sb, None, E4M3), ValueError,
+         "tgemm::scaled_mm: out_dtype torch.float8_e4m3fn is not supported"),
+        ((a, b, sa.to("meta"), sb), RuntimeError, "scale_a is on meta but a is on"),
+        ((fa, fb, fsa.view(torch.uint8).view(e8m0), fsb), ValueError,
+         "must share one scale dtype"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_bad_input_raises_before_launch(device, case, monkeypatch):
+    args, error, message = _bad_inputs(device)[case]
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("a kernel was launched for bad input")
+
+    monkeypatch.setattr("torch_triton_gemm.ops.scaled_mm.launch_scaled_mm", no_launch)
+    with pytest.raises(error, match=re.escape(message)):
+        tg.scaled_mm(*args)
+    # The registered op (and so its fake) runs the same checks.
+    with pytest.raises(error, match=re.escape(message)):
+        torch.ops.tgemm.scaled_mm(*args)
+
+
+def test_bad_inputs_cover_every_case(device):
+    assert len(_bad_inputs(device)) == 20
+
+
+# --- gradients ----------------------------------------------------------------------------------
+
+def test_gradients_flow_to_bias(device):
+    for s in sample_inputs(device, requires_grad=True)[:12]:
+        if s.bias is None:
+            continue
+        out = tg.scaled_mm(*s.args())
+        grad_out = torch.randn_like(out)
+        (grad_bias,) = torch.autograd.grad(out, (s.bias,), grad_out)
+        assert grad_bias.dtype == s.bias.dtype and grad_bias.shape == s.bias.shape
+        assert rel_error(grad_bias, grad_out.double().sum(0)) <= TOLERANCE, s.name
+        out_op = torch.ops.tgemm.scaled_mm(*s.args())
+        assert torch.equal(torch.autograd.grad(out_op, (s.bias,), grad_out)[0], grad_bias)
+
+
+@pytest.mark.parametrize("which", ["a", "b", "scale_a"])
+def test_quantized_operand_gradients_refused(device, which):
+    a, b, sa, sb = quantized_pair(8, 12, 64, "rowwise", "rowwise", device)
+    tensors = {"a": a, "b": b, "scale_a": sa}
+    tensors[which].requires_grad_()
+    message = (f"tgemm::scaled_mm: {which} ({tensors[which].dtype}) requires grad, but "
+               "scaled_mm's quantized operands and their scales have no gradient")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        tg.scaled_mm(a, b, sa, sb)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        torch.ops.tgemm.scaled_mm(a, b, sa, sb)
+    with torch.no_grad():  # without autograd there is nothing to refuse
+        tg.scaled_mm(a, b, sa, sb)
+
+
+# --- quantize / dequantize ----------------------------------------------------------------------
+
+def _unit_data(data: torch.Tensor) -> torch.Tensor:
+    """Data of the same dtype and layout holding 1.0 everywhere (e2m1 code 2, twice a byte)."""
+    if data.dtype == FP4:
+        return torch.full_like(data.view(torch.uint8), 0x22).view(FP4)
+    return torch.ones_like(data, dtype=torch.float32).to(data.dtype)
+
+
+@pytest.mark.parametrize("recipe", QUANTIZE_RECIPES)
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_quantize_round_trip(device, recipe, operand):
+    """dequantize(quantize(x)) is x up to the element format's rounding: half an ulp of e4m3
+    (2^-4 relative) plus half its subnormal spacing times the scale; for e2m1, a third of |x|
+    plus a quarter of the scale (its widest gaps)."""
+    x = torch.randn(96, 160, device=device, dtype=torch.bfloat16)  # K = 160 for a, 96 for b
+    data, scale = tg.quantize(x, recipe, operand)
+    approx = tg.dequantize(data, scale, recipe, operand)
+    assert approx.shape == x.shape and approx.dtype == torch.float64
+    assert not data.requires_grad and not scale.requires_grad
+    assert data.stride(1 if operand == "a" else 0) == 1  # K-major: a row-major, b column-major
+    per_element_scale = tg.dequantize(_unit_data(data), scale, recipe, operand)
+    err = (approx - x.double()).abs()
+    if data.dtype == FP4:
+        bound = x.double().abs() / 3 + 0.25 * per_element_scale
+    else:
+        bound = 2.0**-4 * x.double().abs() + 2.0**-10 * per_element_scale
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def test_fp4_encoding_exact_values(device):
+    """Values on the e2m1 grid (times the block's power-of-two scale) round-trip exactly; ties
+    round to the even code; packing puts the even K index in the low nibble."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6] * 2,
+                        device=device)
+    x = grid.reshape(1, 32) * 4.0
+    data, scale = tg.quantize(x, "mxfp4", "a")
+    assert torch.equal(tg.dequantize(data, scale, "mxfp4", "a"), x.double())
+    assert scale.view(torch.uint8).item() == 127 + 2  # amax 24 = 6 * 2^2
+    assert data.view(torch.uint8)[0, 0].item() == 0x10  # codes 0 (low) and 1 (0.5, high)
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4], device=device)
+    data, scale = tg.quantize(ties, "mxfp4", "a")
+    expected = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6] * 4, dtype=torch.float64, device=device)
+    assert torch.equal(tg.dequantize(data, scale, "mxfp4", "a")[0], expected)
+
+
+def test_quantize_rejects_bad_arguments(device):
+    x = torch.randn(8, 40, device=device)
+    with pytest.raises(ValueError, match="unknown recipe 'fp8'"):
+        tg.quantize(x, "fp8")
+    with pytest.raises(ValueError, match="operand must be 'a'"):
+        tg.quantize(x, "rowwise", "c")
+    with pytest.raises(ValueError, match="mxfp4 scales cover 32 elements of K"):
+        tg.quantize(x, "mxfp4")
+    with pytest.raises(ValueError, match="high-precision floating tensor"):
+        tg.quantize(x.to(E4M3), "rowwise")
+
+
+# --- opcheck, fake tensors, graph capture ------------------------------------------------------
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, requires_grad):
+    samples = sample_inputs(device, requires_grad=requires_grad)
+    chosen = [s for s in samples if s.name in (
+        "tensorwise-e4m3fn-e4m3fn-K70-bfloat16-nt", "rowwise-e4m3fn-e5m2-K70-float32-row",
+        "blockwise-e4m3fn-e4m3fn-K256-bfloat16-nt", "mxfp8-e4m3fn-e4m3fn-K96-bfloat16-row",
+        "mxfp4-K96-bfloat16-nt", "nvfp4-K48-float16-row")]
+    assert len(chosen) == 6
+    for s in chosen:
+        # test_schema compares inputs before and after with torch.allclose, which fp8 tensors do
+        # not support; test_op_neither_mutates_nor_aliases checks the same by bytes.
+        torch.library.opcheck(
+            torch.ops.tgemm.scaled_mm.default, (*s.args(), False),
+            test_utils=("test_autograd_registration", "test_faketensor",
+                        "test_aot_dispatch_dynamic"))
+
+
+def test_op_neither_mutates_nor_aliases(device):
+    for recipe in ("blockwise", "nvfp4"):
+        a, b, sa, sb = quantized_pair(19, 24, 128, recipe, recipe, device)
+        bias = torch.randn(24, device=device)
+        inputs = (a, b, sa, sb, bias)
+        before = [t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone()
+                  for t in inputs]
+        out = torch.ops.tgemm.scaled_mm(a, b, sa, sb, bias, torch.float32, False)
+        for t, saved in zip(inputs, before):
+            now = t.view(torch.uint8) if t.element_size() == 1 else t
+            assert torch.equal(now, saved)
+            assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def _fake_recipes():
+    """(a, b, scale_a, scale_b) as CUDA FakeTensors for each recipe, M=70, N=45, K=256."""
+    def e(*shape, dtype):
+        return torch.empty(*shape, device="cuda", dtype=dtype)
+
+    f32, e8m0 = torch.float32, torch.float8_e8m0fnu
+    a8, b8 = e(70, 256, dtype=E4M3), e(45, 256, dtype=E4M3).t()
+    a4, b4 = e(70, 128, dtype=FP4), e(45, 128, dtype=FP4).t()
+    return {
+        "tensorwise": (a8, b8, e((), dtype=f32), e(1, dtype=f32)),
+        "rowwise": (a8, b8, e(70, 1, dtype=f32), e(1, 45, dtype=f32)),
+        "blockwise": (a8, b8, e(70, 2, dtype=f32), e(1, 2, dtype=f32).t()),
+        "mxfp8": (a8, b8, e(70, 8, dtype=e8m0), e(45, 8, dtype=e8m0).t()),
+        "mxfp4": (a4, b4, e(70, 8, dtype=e8m0), e(45, 8, dtype=e8m0).t()),
+        "nvfp4": (a4, b4, e(70, 16, dtype=E4M3), e(45, 16, dtype=E4M3).t()),
+    }
+
+
+def test_fake_tensor_propagation_cuda():
+    with FakeTensorMode():
+        for name, (a, b, sa, sb) in _fake_recipes().items():
+            bias = torch.empty(45, device="cuda", dtype=torch.bfloat16)
+            out = tg.scaled_mm(a, b, sa, sb, bias, torch.float16)
+            assert out.shape == (70, 45) and out.stride() == (45, 1), name
+            assert out.device.type == "cuda" and out.dtype == torch.float16, name
+            assert tg.scaled_mm(a, b, sa, sb).dtype == torch.bfloat16
+        a, b, _, sb = _fake_recipes()["rowwise"]
+        sa = torch.empty(5, 1, device="cuda", dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="scale shapes fit no recipe"):
+            tg.scaled_mm(a, b, sa, sb)
+
+
+def _run_without_interpreter(script: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_traced_without_interpreter_exposes_the_kernel():
+    """With compiled Triton (here CUDA FakeTensors on a GPU-less host), tgemm::scaled_mm is a
+    triton_op: its fake runs, and functional tracing sees the kernel and the recipe it chose
+    (the in-register decode path for microscaling, as no GPU says it has fp4 tensor cores)."""
+    if torch.cuda.is_available():
+        pytest.skip("runs the GPU-less tracing path; the GPU tests cover the GPU")
+    script = f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
+    script += textwrap.dedent("""
+        import torch, torch_triton_gemm as tg, test_scaled_mm as t
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.functional_tensor import dispatch_functionalize
+        from torch.fx.experimental.proxy_tensor import make_fx
+        with FakeTensorMode():
+            recipes = t._fake_recipes()
+            bias = torch.empty(45, device="cuda", dtype=torch.float32)
+        for name, (a, b, sa, sb) in recipes.items():
+            f = lambda a, b, sa, sb, bias: tg.scaled_mm(a, b, sa, sb, bias) * 2
+            gm = make_fx(dispatch_functionalize(f), tracing_mode="fake")(a, b, sa, sb, bias)
+            for node in gm.graph.nodes:
+                if "triton_kernel" in str(node.target):
+                    kw = node.kwargs["kwargs"]
+                    if kw["SCALING"] in ("outer", "block"):  # the shared GEMM kernels
+                        print(name, kw["SCALING"], kw["SA_ROWS"], kw["SB_COLS"],
+                              kw["FAST_ACCUM"], kw["HAS_BIAS"])
+                    else:
+                        print(name, kw["SCALING"], kw["FORMAT_A"], kw["FORMAT_B"],
+                              kw["SCALE_FORMAT"], kw["SCALE_K"], kw["HAS_BIAS"])
+    """)
+    out = _run_without_interpreter(script)
+    assert out.split("\n")[:6] == [
+        "tensorwise outer 1 1 False True",
+        "rowwise outer 1 1 False True",
+        "blockwise block 1 128 False True",
+        "mxfp8 micro e4m3 e4m3 e8m0 32 True",
+        "mxfp4 micro e2m1 e2m1 e8m0 32 True",
+        "nvfp4 micro e2m1 e2m1 e4m3 16 True",
+    ], out
+
+
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torch_triton_gemm.kernels.matmul import mm_tma_kernel
+from torch_triton_gemm.kernels.scaled import scaled_mm_kernel
+
+POINTER = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "e2m1": "*u8", "fp32": "*fp32", "e8m0": "*u8"}
+POINTERS = {"a_ptr": "ab", "b_ptr": "ab", "c_ptr": "*bf16", "bias_ptr": "*fp32",
+            "ws_ptr": "*fp32", "sa_ptr": "s", "sb_ptr": "s"}
+ALIGNED = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "stride_am", "stride_bn",
+           "stride_cm", "K"]
+
+def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    # b = W.t(): both operands K-major, as a launch specialises unit strides.
+    constants.update(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True,
+                     UPCAST_TO_FP32=False, INDEX_64=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=block_k, GROUP_M=8)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            kind = POINTERS[name]
+            signature[name] = POINTER[fmt] if kind == "ab" else (
+                POINTER[scale_fmt] if kind == "s" else kind)
+        else:
+            signature[name] = "i32"
+    index = kernel.arg_names.index
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(index(k),): v for k, v in constants.items()},
+        attrs={(index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ir = compiled.asm["ttgir"]
+    mma = [op for op in ("warp_group_dot", "tc_gen5_mma_scaled", "tc_gen5_mma") if op in ir]
+    print(arch, constants["SCALING"], fmt, scale_fmt, mma[0] if mma else "none",
+          "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers",
+          compiled.metadata.shared > 0)
+
+# fp8 recipes on the shared persistent TMA kernel (outer: rowwise / tensorwise scales).
+gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT_K=1, A_M_CONTIGUOUS=False,
+            B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False)
+compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
+            SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, **gemm)
+compile_for(mm_tma_kernel, 90, "e5m2", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
+            SA_ROWS=1, SB_COLS=1, FAST_ACCUM=True, **gemm)
+compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="block",
+            SA_ROWS=1, SB_COLS=128, FAST_ACCUM=False, **gemm)
+# Microscaled formats on their own kernel.
+micro = dict(FORMAT_A="e2m1", FORMAT_B="e2m1")
+compile_for(scaled_mm_kernel, 90, "e2m1", "e4m3", (128, 128, 64, 8, 3), SCALING="micro",
+            SCALE_FORMAT="e4m3", SCALE_K=16, **micro)
+compile_for(scaled_mm_kernel, 100, "e2m1", "e8m0", (128, 128, 128, 4, 3),
+            SCALING="micro_native", SCALE_FORMAT="e8m0", SCALE_K=32, **micro)
+"""
+
+
+def test_kernel_compiles_for_hopper_and_blackwell():
+    """Triton compiles the kernels for sm_90 and sm_100 without a GPU: the fp8 recipes on the
+    shared persistent kernel with TMA loads and Hopper's wgmma, decoded microscaling on wgmma,
+    the block-scaled tensor-core MMA for mxfp4 on Blackwell; each with shared-memory stages."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for fixed GPU targets on a GPU-less host; the GPU tests run it")
+    out = _run_without_interpreter(_COMPILE_SCRIPT).split("\n")
+    assert out[:5] == [
+        "90 outer e4m3 fp32 warp_group_dot tma True",
+        "90 outer e5m2 fp32 warp_group_dot tma True",
+        "90 block e4m3 fp32 warp_group_dot tma True",
+        "90 micro e2m1 e4m3 warp_group_dot pointers True",
+        "100 micro_native e2m1 e8m0 tc_gen5_mma_scaled pointers True",
+    ], out
+
+
+def test_eager_backend_compile(device):
+    """torch.compile (eager backend, fullgraph) keeps tgemm::scaled_mm as one node."""
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(a, b, sa, sb, bias):
+        return torch.relu(tg.scaled_mm(a, b, sa, sb, bias, torch.float32)) + 1
+
+    a, b, sa, sb = quantized_pair(17, 24, 64, "rowwise", "rowwise", device)
+    bias = torch.randn(24, device=device)
+    out = torch.compile(f, backend=record, fullgraph=True)(a, b, sa, sb, bias)
+    assert "tgemm.scaled_mm" in graphs[0].code
+    assert torch.equal(out, f(a, b, sa, sb, bias))
+
+
+def test_torch_export_keeps_the_op(device):
+    class Fp8Linear(torch.nn.Module):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+            super().__init__()
+            wq, ws = tg.quantize(weight.t(), "rowwise", "b")
+            self.register_buffer("wq", wq)
+            self.register_buffer("ws", ws)
+            self.register_buffer("bias", bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            xq, xs = tg.quantize(x, "rowwise", "a")
+            return tg.scaled_mm(xq, self.wq, xs, self.ws, self.bias, torch.float32)
+
+    model = Fp8Linear(torch.randn(24, 64, device=device), torch.randn(24, device=device))
+    x = torch.randn(13, 64, device=device)
+    exported = torch.export.export(model, (x,))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert "tgemm.scaled_mm.default" in targets
+    x2 = torch.randn(13, 64, device=device)
+    assert torch.equal(exported.module()(x2), model(x2))
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+GPU_RECIPES = ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_gpu_larger_shapes(recipe, fast):
+    for m, n, k in ((512, 384, 1024), (1, 4096, 4096), (999, 1003, 1024), (4096, 4096, 4096)):
+        a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda")
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ref = reference(a, b, sa, sb, recipe, recipe, bias)
+        for out_dtype in OUT_DTYPES:
+            out = tg.scaled_mm(a, b, sa, sb, bias, out_dtype, use_fast_accum=fast)
+            assert rel_error(out, ref) <= TOLERANCE, (m, n, k, out_dtype)
+        row_major_b = tg.scaled_mm(a, b.contiguous(), sa, sb, bias, torch.float32)
+        assert rel_error(row_major_b, ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_inductor_fullgraph_matches_eager(recipe):
+    def f(a, b, sa, sb, bias):
+        y = tg.scaled_mm(a, b, sa, sb, bias)
+        return torch.nn.functional.silu(y.float()) * 3
+
+    a, b, sa, sb = quantized_pair(257, 192, 512, recipe, recipe, "cuda")
+    bias = torch.randn(192, device="cuda", dtype=torch.bfloat16)
+    eager = f(a, b, sa, sb, bias)
+    compiled = torch.compile(f, fullgraph=True)(a, b, sa, sb, bias)
+    assert rel_error(compiled, eager) <= TOLERANCE
+    ref = torch.nn.functional.silu(reference(a, b, sa, sb, recipe, recipe, bias)) * 3
+    assert rel_error(compiled, ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_inductor_bias_gradient():
+    a, b, sa, sb = quantized_pair(64, 96, 256, "rowwise", "rowwise", "cuda")
+    bias = torch.randn(96, device="cuda", dtype=torch.float32, requires_grad=True)
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t).float().square().sum(), fullgraph=True)
+    (grad,) = torch.autograd.grad(compiled(a, b, sa, sb, bias), (bias,))
+    out = tg.scaled_mm(a, b, sa, sb, bias).float()
+    assert rel_error(grad, (2 * out).double().sum(0)) <= TOLERANCE
+
+
+def _refill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), through bytes for 1-byte dtypes (fp8, fp4, e8m0)."""
+    if dst.element_size() == 1:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        dst.copy_(src)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise", "mxfp4"])
+def test_cuda_graph_capture(recipe):
+    a, b, sa, sb = quantized_pair(64, 128, 256, recipe, recipe, "cuda")
+    bias = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    tg.scaled_mm(a, b, sa, sb, bias)  # tune outside capture
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t) * 2, mode="reduce-overhead",
+                             fullgraph=True)
+    for _ in range(3):
+        a2, _, sa2, _ = quantized_pair(64, 128, 256, recipe, recipe, "cuda")
+        _refill(a, a2)
+        _refill(sa, sa2)
+        out = compiled(a, b, sa, sb, bias)
+        assert rel_error(out, 2 * reference(a, b, sa, sb, recipe, recipe, bias)) <= TOLERANCE
+
+    graph = torch.cuda.CUDAGraph()
+    static_out = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
+    with torch.cuda.graph(graph):
+        static_out.copy_(tg.scaled_mm(a, b, sa, sb, bias))
+    a2, _, sa2, _ = quantized_pair(64, 128, 256, recipe, recipe, "cuda")
+    _refill(a, a2)
+    _refill(sa, sa2)
+    graph.replay()
+    assert rel_error(static_out, reference(a, b, sa, sb, recipe, recipe, bias)) <= TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_matches_torch_scaled_mm(recipe, out_dtype):
+    """The same operands and scales through torch._scaled_mm (cuBLAS): both within the budget
+    of the float64 reference and close to each other."""
+    a, b, sa, sb = quantized_pair(256, 512, 1024, recipe, recipe, "cuda")
+    if recipe == "tensorwise":
+        sa, sb = sa.reshape(()), sb.reshape(())
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16) if out_dtype != torch.float32 \
+        else None
+    ours = tg.scaled_mm(a, b, sa, sb, bias, out_dtype)
+    theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+    ref = reference(a, b, sa, sb, recipe, recipe, bias)
+    assert rel_error(ours, ref) <= TOLERANCE
+    assert rel_error(theirs, ref) <= TOLERANCE
+    assert rel_error(ours, theirs.double()) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_matches_torch_scaled_mm_blockwise():
+    """1x128 x 128x128 blockwise against torch._scaled_mm where this torch and cuBLAS (12.9+)
+    support it; cuBLAS wants 1x128 scales outer-dim-major."""
+    a, b, sa, sb = quantized_pair(256, 768, 512, "blockwise", "blockwise", "cuda")
+    sa_torch = sa.t().contiguous().t()
+    try:
+        theirs = torch._scaled_mm(a, b, sa_torch, sb, out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        pytest.skip(f"torch._scaled_mm has no blockwise scaling here: {e}")
+    ours = tg.scaled_mm(a, b, sa, sb)
+    ref = reference(a, b, sa, sb, "blockwise", "blockwise")
+    assert rel_error(ours, ref) <= TOLERANCE
+    assert rel_error(theirs, ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_dynamic_shapes_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t), dynamic=True)
+    _, b, _, sb = quantized_pair(1, 64, 256, "rowwise", "rowwise", "cuda")
+    for m in (33, 70, 129, 300):
+        a, _, sa, _ = quantized_pair(m, 64, 256, "rowwise", "rowwise", "cuda")
+        out = compiled(a, b, sa, sb)
+        assert rel_error(out, reference(a, b, sa, sb, "rowwise", "rowwise")) <= TOLERANCE
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+def test_native_fp4_query_matches_the_gpu():
+    major = torch.cuda.get_device_capability()[0]
+    assert tgemm_device.supports_native_fp4(torch.device("cuda")) == (major == 10)
