@@ -138,7 +138,7 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
 
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
-                      num_sms: int) -> MMPlan:
+                      num_sms: int, out_size: int = 4) -> MMPlan:
     """The plan used for a shape nobody tuned, from its size class (rules read off kernel-only
     timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
@@ -182,12 +182,21 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         tile = TileConfig(128, 128, 64, 8, 8, 5)
     else:
         tile = TileConfig(64, 128, 64, 8, 4, 4)
-    tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size,
-                              _device.shared_memory_per_block(0))
+    tma = kernel == "tma" and tma
+    smem = _device.shared_memory_per_block(0)
+    if tma:
+        smem -= tma_epilogue_bytes(tile, out_size)
+    tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size, smem)
     split = _split_for(m, n, k, tile, num_sms)
-    if kernel == "tma" and tma:
+    if tma:
         return MMPlan("tma", tile, split, epilogue_subtile=2 if tile.block_n >= 128 else 1)
     return MMPlan("portable", tile, split)
+
+
+def tma_epilogue_bytes(tile: TileConfig, out_size: int) -> int:
+    """Shared memory the TMA kernel's epilogue may stage C in (an upper bound: the whole tile;
+    ``out_size`` is C's element size)."""
+    return tile.block_m * tile.block_n * out_size
 
 
 def _fit_shared_memory(tile: TileConfig, element_size: int, limit: int) -> TileConfig:
@@ -345,7 +354,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
         if not _fits_problem(tile, m, n) or shared_memory_bytes(tile, element_size) > smem:
             continue
         # The TMA kernel also stages a slice of C in shared memory for its store.
-        tma_fits = shared_memory_bytes(tile, element_size) + tile.block_m * tile.block_n * 2 <= smem
+        tma_fits = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(tile, 2) <= smem
         split = _split_for(m, n, k, tile, num_sms)
         # Memory-bound skinny shapes may gain from more bytes in flight than one wave holds.
         splits = {1, split, 2 * split} if m <= 32 else {1, split}

@@ -180,7 +180,7 @@ def _tma_arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
-          layout: int, tma: bool, eager: bool) -> tuning.MMPlan:
+          out_size: int, layout: int, tma: bool, eager: bool) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
     plain eager call outside CUDA-graph capture."""
@@ -189,7 +189,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
         return forced
     (M, K), N, device = a.shape, b.shape[1], a.device
     # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
-    memo_key = (M, N, K, a.dtype, layout, tma, device, tuning.TUNED.version)
+    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, tuning.TUNED.version)
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
@@ -201,7 +201,8 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
 
             return tune_mm(a, b, bias, activation)[0]
     if plan is None:
-        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device))
+        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
+                                        out_size)
     if len(_PLANS) >= _PLANS_LIMIT:
         _PLANS.clear()
     _PLANS[memo_key] = plan
@@ -286,7 +287,8 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         if tma_args is not None and not tma_ready:
             tma_args = None
         if plan is None:
-            plan = _plan(a, b, bias, activation, _layout_key(stride_ak, stride_bk),
+            plan = _plan(a, b, bias, activation, out.element_size(),
+                         _layout_key(stride_ak, stride_bk),
                          tma_args is not None and _device.supports_tma(device), not traceable)
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
