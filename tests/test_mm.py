@@ -29,9 +29,11 @@ from samples import (
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm.ops import mm as mm_module
 from torch_triton_gemm.ops.mm import launch_mm
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, *FP8]
@@ -267,6 +269,53 @@ def test_only_needed_gradients(device):
     assert grad_a.shape == a.shape and b.grad is None
 
 
+class _PassThrough(TorchDispatchMode):
+    """Runs every op unchanged; its presence sends tgemm::mm through PyTorch's generic
+    custom-op autograd kernel instead of the eager kernels."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+def test_op_eager_autograd_matches_generic_kernel(device, activation):
+    """Eager torch.ops.tgemm.mm (its light autograd kernel) and the generic custom-op autograd
+    kernel give bitwise equal outputs and gradients, for every subset of inputs needing them."""
+    a0 = randn((19, 24), torch.bfloat16, device)
+    b0 = make_operand(24, 13, torch.bfloat16, device, "col", "b")
+    bias0 = randn((13,), torch.bfloat16, device)
+    grad_out = randn((19, 13), torch.bfloat16, device)
+    for wanted in ("a", "b", "bias", "a b bias"):
+        results = []
+        for mode in (None, _PassThrough):
+            a, b, bias = (t.detach().requires_grad_(name in wanted.split())
+                          for name, t in (("a", a0), ("b", b0), ("bias", bias0)))
+            if mode is None:
+                out = torch.ops.tgemm.mm(a, b, bias, activation, None)
+            else:
+                with mode():
+                    out = torch.ops.tgemm.mm(a, b, bias, activation, None)
+            inputs = [t for t in (a, b, bias) if t.requires_grad]
+            results.append((out, torch.autograd.grad(out, inputs, grad_out)))
+        (out, grads), (generic_out, generic_grads) = results
+        assert type(out.grad_fn) is not type(generic_out.grad_fn)  # two different paths
+        assert torch.equal(out, generic_out), wanted
+        for g, generic_g in zip(grads, generic_grads, strict=True):
+            assert torch.equal(g, generic_g), wanted
+
+
+def test_op_without_autograd(device):
+    a, b = randn((9, 16), torch.float16, device), randn((16, 7), torch.float16, device)
+    expected = tg.mm(a, b, None, "silu")
+    a.requires_grad_()
+    with torch.no_grad():
+        out = torch.ops.tgemm.mm(a, b, None, "silu", None)
+    assert out.grad_fn is None and torch.equal(out, expected)
+    with torch.inference_mode():
+        out = torch.ops.tgemm.mm(a, b, None, "silu", None)
+    assert out.is_inference() and torch.equal(out, expected)
+
+
 # --- opcheck, fake tensors, graph capture ------------------------------------------------------
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -360,6 +409,52 @@ relu.default
 mul.Tensor""")
 
 
+def test_eager_op_matches_traceable_body(device, highest_fp32):
+    """Eager calls of the op run its eager body (a direct launch); the traceable body that
+    make_fx and torch.compile see launches through wrap_triton. Both compute the same bits."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for s in sample_inputs(device, dtype)[::3]:
+            eager = torch.ops.tgemm.mm(*s.args())
+            traced_body = mm_module._mm_impl(*s.args())
+            assert torch.equal(eager, traced_body), s.name
+
+
+def test_op_traces_without_interpreter():
+    """With compiled Triton (no interpreter) the op is a triton_op with eager kernels on the CPU
+    and CUDA keys: FakeTensor and make_fx still see one tgemm::mm node, and a real call reaches
+    the eager body (which explains that CPU tensors need the interpreter)."""
+    script = textwrap.dedent("""
+        import torch, torch_triton_gemm as tg
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+        for key in ("CUDA", "AutogradCUDA", "CPU", "AutogradCPU"):
+            print(key, torch._C._dispatch_has_kernel_for_dispatch_key("tgemm::mm", key))
+        def f(a, w, bias):
+            return torch.ops.tgemm.mm(a, w.t(), bias, "relu", None) + 1
+        with FakeTensorMode():
+            a = torch.empty(64, 32, device="cuda", dtype=torch.float16)
+            w = torch.empty(48, 32, device="cuda", dtype=torch.float16)
+            bias = torch.empty(48, device="cuda", dtype=torch.float16)
+            out = f(a, w, bias)
+            print("fake", tuple(out.shape), out.dtype, out.device.type)
+        gm = make_fx(f, tracing_mode="fake")(a, w, bias)
+        print("make_fx", [str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        try:
+            torch.ops.tgemm.mm(torch.randn(4, 4), torch.randn(4, 4))
+        except RuntimeError as e:
+            print("ERROR:", str(e).split(": set ")[0])
+    """)
+    if torch.cuda.is_available():
+        pytest.skip("runs the GPU-less tracing path; covered by the GPU tests on a GPU")
+    out = _run_without_interpreter(script)
+    ops = "['aten.t.default', 'tgemm.mm.default', 'aten.add.Tensor']"
+    assert out.splitlines() == [
+        "CUDA True", "AutogradCUDA True", "CPU True", "AutogradCPU True",
+        "fake (64, 48) torch.float16 cuda", f"make_fx {ops}",
+        "ERROR: tgemm::mm: CPU tensors run only in Triton's interpreter",
+    ], out
+
+
 def test_eager_backend_compile(device):
     """torch.compile with an eager backend keeps tgemm::mm in the graph (CPU-runnable check)."""
     graphs = []
@@ -400,6 +495,28 @@ def test_inductor_fullgraph_forward_backward(dtype, highest_fp32):
     assert rel_error(out, ref) <= tolerance(dtype, dtype)
     for g, r in zip(grads, ref_grads):
         assert rel_error(g, r) <= 2 * tolerance(dtype, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_aot_eager_compile_matches_eager_op_bitwise(dtype):
+    """aot_eager runs the traced body (the kernel through triton_kernel_wrapper_functional);
+    eager calls run the eager body. Same kernel, same plan: the same bits, gradients included."""
+    def f(x, w, bias):
+        return torch.ops.tgemm.mm(x, w.t(), bias, "gelu", None)
+
+    x = randn((96, 160), dtype, "cuda").requires_grad_()
+    w = randn((72, 160), dtype, "cuda").requires_grad_()
+    bias = randn((72,), dtype, "cuda").requires_grad_()
+    grad_out = randn((96, 72), dtype, "cuda")
+    eager = f(x, w, bias)
+    eager_grads = torch.autograd.grad(eager, (x, w, bias), grad_out)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=False)(x, w, bias)
+    compiled_grads = torch.autograd.grad(compiled, (x, w, bias), grad_out)
+    assert torch.equal(eager, compiled)
+    for g, c in zip(eager_grads, compiled_grads, strict=True):
+        assert torch.equal(g, c)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from ..kernels.tiles import ACTIVATIONS
-from ._registry import define_triton_op
+from ._registry import define_triton_op, eager_autograd_function
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
                 torch.float8_e5m2)
@@ -232,6 +232,12 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=True)
 
 
+def _mm_eager(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+              activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The op body for eager calls on real tensors: the kernel launched without wrap_triton."""
+    return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+
+
 def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                          activation: str, out_dtype: torch.dtype | None,
                          traceable: bool) -> torch.Tensor:
@@ -373,7 +379,9 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
 
 # --- registration -------------------------------------------------------------------------------
 
-mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake)
+# Eager calls of torch.ops.tgemm.mm on real tensors reach _mm_eager through light kernels (see
+# define_triton_op); tracing and compile see the triton_op _mm_impl.
+mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake, eager_impl=_mm_eager)
 
 
 # --- autograd -----------------------------------------------------------------------------------
@@ -382,7 +390,7 @@ mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake)
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     a, b, bias, activation, _ = inputs
-    torch._check(
+    _check(
         a.dtype not in _FP8_DTYPES or not (a.requires_grad or b.requires_grad),
         lambda: f"tgemm::mm: {a.dtype} inputs have no gradient; keep fp8 operands out of autograd")
     ctx.activation = activation
@@ -430,21 +438,8 @@ def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
 mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerMM(torch.autograd.Function):
-    """The same forward and autograd formulas for plain eager calls, without the dispatcher.
-
-    forward takes ``ctx`` itself (no separate setup_context): ``Function.apply`` then skips
-    binding the arguments through ``inspect.signature``, which costs more host time than a small
-    GEMM's launch.
-    """
-
-    @staticmethod
-    def forward(ctx, a, b, bias, activation, out_dtype):  # type: ignore[no-untyped-def]
-        out = _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
-        _setup_context(ctx, (a, b, bias, activation, out_dtype), out)
-        return out
-
-    backward = staticmethod(_backward)
+# The same forward and formulas for plain eager calls of tg.mm, which skip the dispatcher.
+_EagerMM = eager_autograd_function(mm_op)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
