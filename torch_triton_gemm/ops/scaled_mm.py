@@ -359,7 +359,19 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 # --- registration -------------------------------------------------------------------------------
 
-scaled_mm_op = define_triton_op("tgemm::scaled_mm", _scaled_mm_impl, _scaled_mm_fake)
+def _scaled_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                     scale_b: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None,
+                     use_fast_accum: bool = False) -> torch.Tensor:
+    """The op body for eager calls on real tensors: kernels launched without wrap_triton."""
+    return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                traceable=False)
+
+
+# Eager calls of torch.ops.tgemm.scaled_mm on real tensors reach _scaled_mm_eager through light
+# kernels (see _registry.define_triton_op); tracing sees the triton_op.
+scaled_mm_op = define_triton_op("tgemm::scaled_mm", _scaled_mm_impl, _scaled_mm_fake,
+                                eager_impl=_scaled_mm_eager)
 
 
 # --- autograd -----------------------------------------------------------------------------------
