@@ -256,3 +256,23 @@ def test_a_second_process_reuses_tuned_plans_without_tuning(tmp_path):
                             capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
     assert first.stdout == second.stdout
+
+
+def test_eager_launches_memoised_per_signature_stay_right(device):
+    """Eager calls reuse checks and launch arithmetic per call signature: fresh values, another
+    alignment, another size and bad input after a good call all still give the right answer."""
+    from torch_triton_gemm.ops import mm as mm_module
+
+    w = randn((48, 40), torch.float16, device)
+    for _ in range(3):
+        x = randn((21, 40), torch.float16, device)
+        assert rel_error(tg.mm(x, w.t()), reference(x, w.t())) <= 1e-2
+    storage = randn((22 * 40 + 1,), torch.float16, device)
+    shifted = storage[1:].view(22, 40)[:21]  # same shape and strides, 2-byte aligned
+    assert rel_error(tg.mm(shifted, w.t()), reference(shifted, w.t())) <= 1e-2
+    x = randn((5, 40), torch.float16, device)
+    assert rel_error(tg.mm(x, w.t(), None, "relu"), reference(x, w.t(), None, "relu")) <= 1e-2
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="columns but b has"):
+            tg.mm(randn((21, 41), torch.float16, device), w.t())
+    assert len(mm_module._EAGER_LAUNCHES) >= 3

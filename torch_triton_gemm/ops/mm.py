@@ -234,8 +234,9 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 def _mm_eager(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
               activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The op body for eager calls on real tensors: the kernel launched without wrap_triton."""
-    return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+    """The op body for eager calls on real tensors: the kernels launched without wrap_triton,
+    checks and launch arithmetic memoised per call signature."""
+    return _eager_allocate_and_launch(a, b, bias, activation, out_dtype)
 
 
 def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -263,6 +264,17 @@ class GemmScales(NamedTuple):
 _NO_SCALES = (None, None, (0, 0, 0, 0), ("none", 1, 1, False))
 
 
+class PreparedLaunch(NamedTuple):
+    """Everything a GEMM launch needs but the tensors: kernel, grid, meta-parameters, the
+    runtime arguments after the tensor pointers, and the split-K reduction if any."""
+    kernel: Any
+    grid: tuple[int]
+    meta: Mapping[str, Any]
+    runtime_args: tuple[Any, ...]
+    workspace_shape: tuple[Any, ...] | None
+    reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
+
+
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
               activation: str, traceable: bool = True, plan: tuning.MMPlan | None = None,
               scales: GemmScales | None = None) -> None:
@@ -273,15 +285,21 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     for plain eager calls that nothing traces. ``plan`` replaces the plan choice (tuning); a
     "tma" plan runs on the portable kernel when the operands cannot be described for TMA.
     """
-    device = a.device
-    error = _device.kernel_device_error(device)
+    error = _device.kernel_device_error(a.device)
     _check(error is None, lambda: f"tgemm::mm: {error}")
+    if a.shape[0] == 0 or b.shape[1] == 0:
+        return
+    prepared = prepare_launch(a, b, bias, out, activation, traceable, plan, scales)
+    run_launch(prepared, a, b, bias, out, scales, traceable)
+
+
+def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor, activation: str, traceable: bool,
+                   plan: tuning.MMPlan | None, scales: GemmScales | None) -> PreparedLaunch:
+    """Choose the plan and work out the launch (see ``launch_mm``); M and N are non-zero."""
+    device = a.device
     M, K = a.shape
     N = b.shape[1]
-    if M == 0 or N == 0:
-        return
-    # Host time matters here (an eager call of a small GEMM is host-bound): each stride is read
-    # once, and the grids are plain integer arithmetic.
     stride_am, stride_ak = a.stride()
     stride_bk, stride_bn = b.stride()
     stride_cm, stride_cn = out.stride()
@@ -308,15 +326,13 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         # nothing guards on them; the portable kernel takes any strides.
         plan = tuning.symbolic_mm_plan(a.element_size())
         split_k, k_per_split = 1, K
-    workspace = (torch.empty((split_k, M, N), device=device, dtype=torch.float32)
-                 if split_k > 1 else None)
     index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                       (M, N, stride_cm, stride_cn), (split_k * M, N, N, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
     if scales is None:
-        scale_a, scale_b, scale_strides, scaling = _NO_SCALES
+        scale_strides, scaling = _NO_SCALES[2:]
     else:
-        scale_a, scale_b, scale_strides = scales.scale_a, scales.scale_b, scales.strides
+        scale_strides = scales.strides
         scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
     meta = tuning.launch_meta(plan, split_k, scaling)
     tiles = ((M + plan.tile.block_m - 1) // plan.tile.block_m) * (
@@ -331,22 +347,41 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
         strides = (stride_am, stride_ak, stride_bk, stride_bn)
         kernel = mm_kernel
         grid = (tiles * split_k,)
-    # Runtime arguments in the kernels' shared order; the plan's meta-parameters come after.
-    args = (
-        a, b, out, bias, workspace, scale_a, scale_b, M, N, K, *strides, stride_cm, stride_cn,
-        stride_bias, *scale_strides, k_per_split, bias is not None, activation,
-        _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
-        index_64,
+    # Runtime arguments after the tensors (a, b, out, bias, workspace, scale_a, scale_b), in
+    # the kernels' shared order; the plan's meta-parameters come after them.
+    runtime_args = (
+        M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
+        bias is not None, activation, _input_precision(a.dtype),
+        _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
     )
-    _launch(kernel, grid, args, meta, traceable)
+    reduce = None
     if split_k > 1:
         block_m, block_n, num_warps = tuning.reduce_tile(M, N)
-        reduce_grid = (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),)
-        reduce_args = (workspace, out, bias, M, N, stride_cm, stride_cn, stride_bias,
-                       bias is not None, activation, index_64)
-        reduce_meta = {"SPLIT_K": split_k, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                       "num_warps": num_warps}
-        _launch(splitk_reduce_kernel, reduce_grid, reduce_args, reduce_meta, traceable)
+        reduce = (
+            (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),),
+            (M, N, stride_cm, stride_cn, stride_bias, bias is not None, activation, index_64),
+            {"SPLIT_K": split_k, "BLOCK_M": block_m, "BLOCK_N": block_n,
+             "num_warps": num_warps},
+        )
+    return PreparedLaunch(kernel, grid, meta, runtime_args,
+                          (split_k, M, N) if split_k > 1 else None, reduce)
+
+
+def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, scales: GemmScales | None,
+               traceable: bool) -> None:
+    """Launch a prepared GEMM on these tensors (and its split-K reduction)."""
+    workspace = None
+    if prepared.workspace_shape is not None:
+        workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
+    scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
+    _launch(prepared.kernel, prepared.grid,
+            (a, b, out, bias, workspace, scale_a, scale_b, *prepared.runtime_args),
+            prepared.meta, traceable)
+    if prepared.reduce is not None:
+        grid, runtime_args, meta = prepared.reduce
+        _launch(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
+                traceable)
 
 
 def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -356,6 +391,51 @@ def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[
         wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
     else:
         kernel[grid](*args, **meta)
+
+
+# --- plain eager calls ----------------------------------------------------------------------------
+# An eager call of a small GEMM is host-bound: checks, plan and launch arithmetic cost more than
+# the kernel. They depend only on the call's signature (shapes, strides, dtypes, devices, the
+# operands' 16-byte alignment, bias, activation, out dtype, fp32 precision, tuned-plan version),
+# so eager calls memoise them per signature; a signature seen once needs no checks again.
+
+def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
+    return (
+        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+        activation, out_dtype, torch.get_float32_matmul_precision(), tuning.TUNED.version,
+    )
+
+
+_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.dtype,
+                                             PreparedLaunch | None]] = {}
+_EAGER_LAUNCHES_LIMIT = 4096
+
+
+def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                               activation: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+    if tuning.forced_plan() is not None:
+        return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+    signature = _eager_signature(a, b, bias, activation, out_dtype)
+    known = _EAGER_LAUNCHES.get(signature)
+    if known is None:
+        out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
+        error = _device.kernel_device_error(a.device)
+        _check(error is None, lambda: f"tgemm::mm: {error}")
+        prepared = None
+        if out.numel() > 0:
+            prepared = prepare_launch(a, b, bias, out, activation, False, None, None)
+        if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
+            _EAGER_LAUNCHES.clear()
+        _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.dtype, prepared)
+    else:
+        shape, dtype, prepared = known
+        out = a.new_empty(shape, dtype=dtype)
+    if prepared is not None:
+        run_launch(prepared, a, b, bias, out, None, False)
+    return out
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -473,5 +553,5 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if _plain_eager(a, b, bias):
         if _needs_grad(a, b, bias):
             return _EagerMM.apply(a, b, bias, activation, out_dtype)
-        return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+        return _eager_allocate_and_launch(a, b, bias, activation, out_dtype)
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
