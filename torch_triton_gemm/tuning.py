@@ -215,12 +215,21 @@ def symbolic_mm_plan(element_size: int) -> MMPlan:
                                                  _device.shared_memory_per_block(0)))
 
 
-def reduce_tile(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the split-K reduction: small tiles, so that even a
-    decode-sized output spreads over many SMs."""
+def reduce_tile(m: int, n: int, num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the split-K reduction: it reads every split's partial
+    tile, so it is memory-bound and wants at least one program per SM; tiles shrink (columns
+    first, to 32; then rows, to 8) until the output gives that many."""
     if _device.interpreter_enabled():
         return 32, 32, 4
-    return (16 if m <= 16 else 32), 128, 4
+    block_m, block_n = 32, 128
+    while -(-m // block_m) * -(-n // block_n) < num_sms:
+        if block_n > 32:
+            block_n //= 2
+        elif block_m > 8:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n, 4
 
 
 _FORCED: contextvars.ContextVar[MMPlan | None] = contextvars.ContextVar("tgemm_plan",

@@ -356,7 +356,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     )
     reduce = None
     if split_k > 1:
-        block_m, block_n, num_warps = tuning.reduce_tile(M, N)
+        block_m, block_n, num_warps = tuning.reduce_tile(M, N, _num_sms(device))
         reduce = (
             (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),),
             (M, N, stride_cm, stride_cn, stride_bias, bias is not None, activation, index_64),
