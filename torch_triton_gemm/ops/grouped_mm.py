@@ -183,7 +183,7 @@ def _offs_check_mode() -> str:
 
 def _holds_data(t: torch.Tensor) -> bool:
     """True for a plain tensor whose values the host may read (not fake, not being traced)."""
-    return (type(t) is torch.Tensor and not torch.compiler.is_compiling()
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
@@ -278,7 +278,10 @@ def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
     is contiguous (a along K, b along N): (use_tma, a_k_contiguous, b_n_contiguous).
 
     TMA needs Hopper, a 16-byte aligned base (for every group, in a 3-D operand), a unit stride
-    in one of the last two dims and 16-byte multiples for the others.
+    in one of the last two dims and 16-byte multiples for the others. A TMA read must also start
+    on a 16-byte boundary along the contiguous dim, so that dim must not be the grouped one
+    (group starts are arbitrary): the MoE layouts (forward, input and weight gradients) all
+    qualify; the others take the pointer loaders.
     """
     if not _device.tma_supported(a.device) or p.K == 0:
         return False, True, True
@@ -286,6 +289,9 @@ def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
     a_k = _tma_major(a, p.a_strides, align)
     b_n = _tma_major(b, p.b_strides, align)
     if a_k is None or b_n is None:
+        return False, True, True
+    grouped_contiguous = {"m": not a_k, "n": b_n, "k": a_k or not b_n, "none": False}[form]
+    if grouped_contiguous:
         return False, True, True
     return True, a_k, b_n
 
@@ -306,10 +312,9 @@ def _tma_major(t: torch.Tensor, strides: tuple[int, ...], align: int) -> bool | 
 def _base_aligned(t: torch.Tensor) -> bool:
     """Whether t's first element sits on a 16-byte boundary. Traced tensors (fake, functional)
     have no address: their storage is taken as aligned, as PyTorch's allocators align it."""
-    try:
+    if _holds_data(t):
         return t.data_ptr() % 16 == 0
-    except RuntimeError:
-        return (t.storage_offset() * t.element_size()) % 16 == 0
+    return (t.storage_offset() * t.element_size()) % 16 == 0
 
 
 def _sym_min(a: int, b: int | torch.SymInt) -> int | torch.SymInt:
