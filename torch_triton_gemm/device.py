@@ -102,11 +102,20 @@ def tma_supported(device: torch.device) -> bool:
     Hopper (sm_90) and newer GPUs have the TMA engine; Triton's interpreter emulates tensor
     descriptors, so CPU runs exercise the same code path.
     """
+    if not _has_tensor_descriptors():
+        return False
     if interpreter_enabled():
         return device.type == "cpu"
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return capability(device)[0] >= 9
+
+
+@functools.cache
+def _has_tensor_descriptors() -> bool:
+    import triton.language as tl
+
+    return hasattr(tl, "make_tensor_descriptor")  # device-side descriptors: Triton 3.4+
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
