@@ -510,8 +510,8 @@ def test_opcheck(device, form):
 
 def test_fake_tensors_and_traces_cuda():
     """Without the interpreter, the triton_op body traces on CUDA FakeTensors (no GPU needed):
-    shapes, dtypes and strides of every form, errors, and the Triton kernel with its grouped
-    dimension in the functional trace."""
+    shapes, dtypes and strides of every form (and of the list op's fake), errors, and the Triton
+    kernel with its grouped dimension in the functional trace."""
     script = textwrap.dedent("""
         import torch, torch_triton_gemm as tg
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -534,6 +534,10 @@ def test_fake_tensors_and_traces_cuda():
             bias = torch.empty(4, 48, device="cuda", dtype=bf16)
             for out in forms(x, w, offs, bias):
                 print(tuple(out.shape), out.stride(), out.dtype, out.device.type)
+            listed = tg.grouped_mm_list(
+                [x, torch.empty(5, 48, device="cuda", dtype=bf16)],
+                [x.t(), torch.empty(48, 7, device="cuda", dtype=bf16)])
+            print([tuple(o.shape) for o in listed], listed[0].device.type)
             try:
                 short = torch.empty(3, device="cuda", dtype=torch.int32)
                 tg.grouped_mm(x, w.transpose(-2, -1), short)
@@ -554,6 +558,7 @@ def test_fake_tensors_and_traces_cuda():
         "(48, 96) (96, 1) torch.float32 cuda",
         "(4, 64, 64) (4096, 64, 1) torch.bfloat16 cuda",
         "(4, 48, 48) (2304, 48, 1) torch.bfloat16 cuda",
+        "[(96, 96), (5, 7)] cuda",
         "ERROR: tgemm::grouped_mm: offs has 3 entries but b has 4 groups (a is (96, 64), b is "
         "(4, 64, 48))",
         "kernel GROUPED=m ZERO_TAIL=False HAS_BIAS=True",
