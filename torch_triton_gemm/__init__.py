@@ -3,8 +3,10 @@
 Importing the package registers the operators under ``torch.ops.tgemm``.
 """
 
+from .ops.grouped_mm import grouped_mm
+from .ops.grouped_mm_list import grouped_mm_list
 from .ops.mm import mm
 from .override import override
 
-__all__ = ["mm", "override"]
+__all__ = ["grouped_mm", "grouped_mm_list", "mm", "override"]
 __version__ = "0.1.0"

@@ -116,3 +116,66 @@ def install_tma_allocator() -> None:
     import triton
 
     triton.set_allocator(_allocate_scratch)
+
+
+# --- persistent kernels and TMA ---------------------------------------------------------------
+
+# Programs of a persistent kernel under the interpreter, which runs programs one after another:
+# a few keep the walk over tiles exercised without paying for idle programs.
+INTERPRETER_PROGRAMS = 4
+
+# SM count assumed when no GPU can be asked (tracing CUDA FakeTensors on a CPU-only host): an
+# H100 SXM's. The grid is only an upper bound on the programs a persistent kernel starts.
+_PORTABLE_SMS = 132
+
+
+def persistent_programs(device: torch.device) -> int:
+    """How many programs a persistent kernel launches at most on ``device``: one per SM."""
+    if interpreter_enabled():
+        return INTERPRETER_PROGRAMS
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _PORTABLE_SMS
+    return num_sms(device)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether kernels may load tiles through TMA tensor descriptors on ``device``.
+
+    Hopper (sm_90) and newer GPUs have the TMA engine; Triton's interpreter emulates tensor
+    descriptors, so CPU runs exercise the same code path.
+    """
+    if not _has_tensor_descriptors():
+        return False
+    if interpreter_enabled():
+        return device.type == "cpu"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return capability(device)[0] >= 9
+
+
+@functools.cache
+def _has_tensor_descriptors() -> bool:
+    import triton.language as tl
+
+    return hasattr(tl, "make_tensor_descriptor")  # device-side descriptors: Triton 3.4+
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Device-side tensor descriptors live in global memory that Triton asks the host for at launch.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Give Triton an allocator for device-side TMA descriptors, unless one is already set.
+
+    Triton keeps the allocator in a context variable, so this runs before each launch of a kernel
+    that may build descriptors; it costs a lookup when an allocator is already in place.
+    """
+    import triton
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is not None and null is not None and not isinstance(current.get(), null):
+        return
+    triton.set_allocator(_tma_scratch)

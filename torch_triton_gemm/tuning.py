@@ -373,3 +373,86 @@ def _fits_problem(tile: TileConfig, m: int, n: int) -> bool:
     if mb <= 64 and tile.block_m > 64:
         return False
     return True
+
+
+# --- grouped_mm ---------------------------------------------------------------------------------
+# Tiles of the persistent grouped kernel (BLOCK_K for 16-bit inputs, rescaled per dtype as above).
+# MoE groups range from a handful of rows (many experts, few tokens each) to thousands: 64-row
+# tiles waste less on short groups, 128 x 128 and 128 x 256 tiles with 8 warps feed Hopper's
+# wgmma on long ones. Each program keeps its tile's pipeline for the whole launch, so the space
+# stays small and the first call of a bucket tunes quickly.
+GROUPED_TILES: tuple[TileConfig, ...] = (
+    TileConfig(128, 256, 64, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 4),
+    TileConfig(128, 128, 64, 8, 4, 3),
+    TileConfig(128, 64, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 4, 4),
+    TileConfig(64, 64, 64, 8, 4, 4),
+    # One-row problems (the bias gradient's ones-vector products) and decode-sized groups.
+    TileConfig(16, 128, 64, 1, 4, 4),
+)
+
+
+def heuristic_grouped_tile(rows: int, n: int, k: int, element_size: int) -> TileConfig:
+    """The grouped kernel's tile without autotuning; ``rows`` and ``n`` are a group's average
+    output rows and columns (the grouped dimension divided by the group count)."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_TILE
+    if rows <= 16:
+        tile = TileConfig(16, 128, 64, 1, 4, 4)
+    elif rows <= 64:
+        tile = TileConfig(64, 128, 64, 8, 4, 4)
+    elif n <= 64:
+        tile = TileConfig(128, 64, 64, 8, 4, 4)
+    else:
+        # Three stages of 128 x 128 x 64 fit the 100 KB of shared memory every sm_80+ GPU has.
+        tile = TileConfig(128, 128, 64, 8, 8, 3)
+    return _for_dtype(tile, element_size)
+
+
+def _prune_grouped_configs(configs: list[triton.Config], named_args: dict[str, Any],
+                           **kwargs: Any) -> list[triton.Config]:
+    """early_config_prune for the grouped autotuner: the dtype's tiles that fit a group's
+    average size (the buckets) and the GPU's shared memory."""
+    named_args = {**named_args, **kwargs}
+    a = named_args["a_ptr"]
+    element_size = a.element_size()
+    allowed = {_for_dtype(t, element_size) for t in GROUPED_TILES}
+    smem_limit = _device.shared_memory_per_block(a.device.index or 0)
+    m_bucket, n_bucket, k_bucket = (named_args[k] for k in ("M_BUCKET", "N_BUCKET", "K_BUCKET"))
+    sizes_known = not any(isinstance(x, torch.SymInt) for x in (m_bucket, n_bucket, k_bucket))
+    kept = []
+    for cfg in configs:
+        kw = cfg.kwargs
+        tile = TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"],
+                          cfg.num_warps, cfg.num_stages)
+        if tile not in allowed:
+            continue
+        if sizes_known and not _fits_problem(tile, m_bucket, n_bucket):
+            continue
+        if _shared_memory_bytes(tile, element_size) > smem_limit:
+            continue
+        kept.append(cfg)
+    if not kept:
+        kept = [_as_triton(heuristic_grouped_tile(m_bucket, n_bucket, k_bucket, element_size))]
+    return kept
+
+
+def grouped_configs() -> list[triton.Config]:
+    """Every config the grouped autotuner may try, for 16- and 32-bit inputs (pruned per call)."""
+    tiles: list[TileConfig] = []
+    for element_size in (2, 4):
+        tiles += [t for t in (_for_dtype(t, element_size) for t in GROUPED_TILES)
+                  if t not in tiles]
+    return [_as_triton(t) for t in tiles]
+
+
+def autotune_grouped(kernel: Any) -> Any:
+    """Wrap the grouped kernel in Triton's autotuner, keyed on a group's average size buckets,
+    the operands' layout, the grouped dimension and the loader (TMA or pointers)."""
+    return triton.autotune(
+        configs=grouped_configs(),
+        key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "GROUPED", "USE_TMA"],
+        prune_configs_by={"early_config_prune": _prune_grouped_configs},
+        cache_results=True,
+    )(kernel)
