@@ -174,8 +174,10 @@ def test_matches_float64_reference(device, dtype, highest_fp32):
 
 
 def _loaders(s: GroupedSample) -> tuple[bool, bool, bool]:
+    """(TMA loads?, a contiguous along M?, b contiguous along K?) as the launch chooses them."""
     problem = grouped_module._Problem(s.form, s.a, s.b, torch.empty(0), s.offs, s.bias)
-    return grouped_module._tma_loads(s.form, s.a, s.b, problem)
+    use_tma, _, _, flags = grouped_module._tma_loads(s.form, s.a, s.b, problem)
+    return use_tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"]
 
 
 # The layouts that load through TMA descriptors: their contiguous dims are never the grouped one
@@ -194,16 +196,17 @@ def test_loader_choice(device):
     for form in FORMS:
         for layout in LAYOUTS:
             s = make_sample(form, layout, torch.bfloat16, device)
-            use_tma, a_k, b_n = _loaders(s)
+            use_tma, a_m, b_k = _loaders(s)
             assert use_tma == ((form, layout) in TMA_LAYOUTS), s.name
             if use_tma:
-                assert a_k == (layout != "tn") and b_n == (layout != "nt"), s.name
+                assert a_m == (layout == "tn") and b_k == (layout == "nt"), s.name
 
 
 def tg_device_has_tma(device: str) -> bool:
     from torch_triton_gemm import device as tgemm_device
 
-    return tgemm_device.tma_supported(torch.device(device))
+    return (tgemm_device.supports_tma(torch.device(device))
+            or tgemm_device.interpreter_enabled())
 
 
 @pytest.mark.parametrize("form", ["m", "n", "k", "none"])
@@ -770,11 +773,11 @@ def test_gpu_every_form_matches_torch(form, layout):
 def test_gpu_hopper_loads_through_tma():
     from torch_triton_gemm import device as tgemm_device
 
-    if not tgemm_device.tma_supported(torch.device("cuda")):
+    if not tgemm_device.supports_tma(torch.device("cuda")):
         pytest.skip("needs sm_90+")
     x, w, offs = _moe_problem(512, 8, 256, 512, skewed=True)
     s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
-    assert _loaders(s) == (True, True, False)
+    assert _loaders(s) == (True, False, True)
     out = tg.grouped_mm(x, w.transpose(-2, -1), offs)
     pointer = torch.empty_like(out)
     launch_grouped_mm(x, w.transpose(-2, -1), offs, None, pointer, use_tma=False)
@@ -810,7 +813,7 @@ def test_gpu_cuda_graph_replays_with_new_offs():
     sync, no host copy of offs), under torch.cuda.graph and mode="reduce-overhead"."""
     x, w, offs = _moe_problem(768, 8, 128, 256, skewed=True)
     static_offs = offs.clone()
-    tg.grouped_mm(x, w.transpose(-2, -1), static_offs, zero_tail=True)  # tune outside capture
+    tg.grouped_mm(x, w.transpose(-2, -1), static_offs, zero_tail=True)  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = tg.grouped_mm(x, w.transpose(-2, -1), static_offs, zero_tail=True)

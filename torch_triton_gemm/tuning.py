@@ -375,84 +375,59 @@ def _fits_problem(tile: TileConfig, m: int, n: int) -> bool:
     return True
 
 
-# --- grouped_mm ---------------------------------------------------------------------------------
-# Tiles of the persistent grouped kernel (BLOCK_K for 16-bit inputs, rescaled per dtype as above).
-# MoE groups range from a handful of rows (many experts, few tokens each) to thousands: 64-row
-# tiles waste less on short groups, 128 x 128 and 128 x 256 tiles with 8 warps feed Hopper's
-# wgmma on long ones. Each program keeps its tile's pipeline for the whole launch, so the space
-# stays small and the first call of a bucket tunes quickly.
-GROUPED_TILES: tuple[TileConfig, ...] = (
-    TileConfig(128, 256, 64, 8, 8, 3),
-    TileConfig(128, 128, 64, 8, 8, 4),
-    TileConfig(128, 128, 64, 8, 4, 3),
-    TileConfig(128, 64, 64, 8, 4, 4),
-    TileConfig(64, 128, 64, 8, 4, 4),
-    TileConfig(64, 64, 64, 8, 4, 4),
-    # One-row problems (the bias gradient's ones-vector products) and decode-sized groups.
-    TileConfig(16, 128, 64, 1, 4, 4),
-)
+# --- grouped_mm -----------------------------------------------------------------------------------
+# The persistent grouped kernel launches one tile for all groups, chosen from a group's average
+# size (offs stays on the device, so the host never sees the real group sizes). Tiles are written
+# for 2-byte inputs; BLOCK_K is rescaled per dtype and stages shed to fit shared memory as for mm.
+
+# Groups averaging fewer rows than this get 64-row tiles (less work wasted on each group's last,
+# partial tile row); 16-row tiles below GROUPED_TINY_ROWS (decode-sized groups, and the one-row
+# products of the bias gradient).
+GROUPED_SMALL_ROWS = 128
+GROUPED_TINY_ROWS = 16
+# From this many output columns on, 128x256 tiles (TMA loads only): every group then has at
+# least 8 column tiles, and the wider tile halves the A re-reads that bound MoE shapes.
+GROUPED_WIDE_N = 2048
 
 
-def heuristic_grouped_tile(rows: int, n: int, k: int, element_size: int) -> TileConfig:
-    """The grouped kernel's tile without autotuning; ``rows`` and ``n`` are a group's average
-    output rows and columns (the grouped dimension divided by the group count)."""
+def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: bool) -> TileConfig:
+    """The grouped kernel's tile for groups of ``m_per_group`` output rows (on average) and ``n``
+    output columns each, ``tma`` when the operands load through TMA descriptors (Hopper).
+
+    - interpreter: the small tile every interpreted kernel uses;
+    - T/G under 16 rows: 16x128 tiles; under 128 rows: 64x128 tiles, 4 warps, 4 stages;
+    - otherwise (MoE layers): 128x256x64 with 8 warps and 3 stages when N is large and TMA feeds
+      the tiles, 128x64 tiles for narrow outputs, else 128x128x64 with 8 warps and 4 stages.
+    """
     if _device.interpreter_enabled():
         return INTERPRETER_TILE
-    if rows <= 16:
+    if m_per_group < GROUPED_TINY_ROWS:
         tile = TileConfig(16, 128, 64, 1, 4, 4)
-    elif rows <= 64:
+    elif m_per_group < GROUPED_SMALL_ROWS:
         tile = TileConfig(64, 128, 64, 8, 4, 4)
+    elif tma and n >= GROUPED_WIDE_N:
+        tile = TileConfig(128, 256, 64, 8, 8, 3)
     elif n <= 64:
         tile = TileConfig(128, 64, 64, 8, 4, 4)
     else:
-        # Three stages of 128 x 128 x 64 fit the 100 KB of shared memory every sm_80+ GPU has.
-        tile = TileConfig(128, 128, 64, 8, 8, 3)
-    return _for_dtype(tile, element_size)
+        tile = TileConfig(128, 128, 64, 8, 8, 4)
+    return _fit_shared_memory(_for_dtype(tile, element_size), element_size,
+                              _device.shared_memory_per_block(0))
 
 
-def _prune_grouped_configs(configs: list[triton.Config], named_args: dict[str, Any],
-                           **kwargs: Any) -> list[triton.Config]:
-    """early_config_prune for the grouped autotuner: the dtype's tiles that fit a group's
-    average size (the buckets) and the GPU's shared memory."""
-    named_args = {**named_args, **kwargs}
-    a = named_args["a_ptr"]
-    element_size = a.element_size()
-    allowed = {_for_dtype(t, element_size) for t in GROUPED_TILES}
-    smem_limit = _device.shared_memory_per_block(a.device.index or 0)
-    m_bucket, n_bucket, k_bucket = (named_args[k] for k in ("M_BUCKET", "N_BUCKET", "K_BUCKET"))
-    sizes_known = not any(isinstance(x, torch.SymInt) for x in (m_bucket, n_bucket, k_bucket))
-    kept = []
-    for cfg in configs:
-        kw = cfg.kwargs
-        tile = TileConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["GROUP_M"],
-                          cfg.num_warps, cfg.num_stages)
-        if tile not in allowed:
-            continue
-        if sizes_known and not _fits_problem(tile, m_bucket, n_bucket):
-            continue
-        if _shared_memory_bytes(tile, element_size) > smem_limit:
-            continue
-        kept.append(cfg)
-    if not kept:
-        kept = [_as_triton(heuristic_grouped_tile(m_bucket, n_bucket, k_bucket, element_size))]
-    return kept
+def symbolic_grouped_tile(element_size: int) -> TileConfig:
+    """The grouped tile for symbolic sizes (torch.compile with dynamic shapes): one for all
+    sizes, so that nothing guards on them."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_TILE
+    return _fit_shared_memory(_for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size),
+                              element_size, _device.shared_memory_per_block(0))
 
 
-def grouped_configs() -> list[triton.Config]:
-    """Every config the grouped autotuner may try, for 16- and 32-bit inputs (pruned per call)."""
-    tiles: list[TileConfig] = []
-    for element_size in (2, 4):
-        tiles += [t for t in (_for_dtype(t, element_size) for t in GROUPED_TILES)
-                  if t not in tiles]
-    return [_as_triton(t) for t in tiles]
-
-
-def autotune_grouped(kernel: Any) -> Any:
-    """Wrap the grouped kernel in Triton's autotuner, keyed on a group's average size buckets,
-    the operands' layout, the grouped dimension and the loader (TMA or pointers)."""
-    return triton.autotune(
-        configs=grouped_configs(),
-        key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT", "GROUPED", "USE_TMA"],
-        prune_configs_by={"early_config_prune": _prune_grouped_configs},
-        cache_results=True,
-    )(kernel)
+@functools.cache
+def grouped_launch_meta(tile: TileConfig) -> Mapping[str, Any]:
+    """Meta-parameters launching the grouped kernels with ``tile``; built once, read-only."""
+    return MappingProxyType({
+        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+        "GROUP_M": tile.group_m, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+    })

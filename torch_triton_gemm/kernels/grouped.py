@@ -6,14 +6,17 @@ given by cumulative ends ``offs`` read on the device (GROUPED = "m": rows of a 2
 per group), or the entries of a batch (GROUPED = "none"). ``grouped_mm_list_kernel`` serves
 independent problems of any sizes whose addresses, sizes and strides come from a table.
 
-Both walk the tiles of all groups the same way and compute a tile with the helpers of tiles.py;
-operand tiles load through the small loaders below (pointers, or TMA tensor descriptors).
+Both walk the tiles of all groups the same way; a tile is computed by the shared pieces of
+tiles.py (``k_loop`` or ``accumulate``, ``store_epilogue``) with operands loaded through pointers
+or through the TMA descriptors of tma.py. What is grouped-specific lives here: group extents from
+offs, the persistent walk over the groups' tiles, and the list kernel's problem table.
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import dot_tile, grouped_tile, k_loop, store_epilogue, widen
+from .tiles import accumulate, grouped_tile, k_loop, store_epilogue, widen
+from .tma import load_operand, operand_descriptor
 
 # Columns of the list kernel's problem table (int64, one row per problem).
 TABLE_A = tl.constexpr(0)  # addresses of A, B and C
@@ -71,52 +74,7 @@ def group_problem(offs_ptr, g, start, M, N, K, GROUPED: tl.constexpr):
     return m0, m1, n0, n1, k0, k1, end
 
 
-# --- operand loaders ----------------------------------------------------------------------------
-
-@triton.jit
-def tile_descriptor(base, rows, cols, stride_r, stride_c, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr, COLS_CONTIGUOUS: tl.constexpr):
-    """A TMA descriptor that loads [BLOCK_R, BLOCK_C] tiles of the [rows, cols] matrix at base.
-
-    TMA needs a unit last stride: a matrix contiguous along its rows (a transposed view, such as
-    the [K, N] view of an expert weight stored [N, K]) gets a descriptor on its transpose, and
-    ``load_tile`` transposes the loaded tile back. Tiles past rows / cols read as zeros.
-    """
-    if COLS_CONTIGUOUS:
-        return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride_r, 1],
-                                         block_shape=[BLOCK_R, BLOCK_C])
-    else:
-        return tl.make_tensor_descriptor(base, shape=[cols, rows], strides=[stride_c, 1],
-                                         block_shape=[BLOCK_C, BLOCK_R])
-
-
-@triton.jit
-def load_tile(desc, r, c, COLS_CONTIGUOUS: tl.constexpr):
-    """The tile at (r, c) of a ``tile_descriptor`` matrix, as [BLOCK_R, BLOCK_C]."""
-    if COLS_CONTIGUOUS:
-        return desc.load([r, c])
-    else:
-        return desc.load([c, r]).T
-
-
-@triton.jit
-def descriptor_k_loop(
-    a_desc, b_desc, off_m, off_n, k0, k1,
-    A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
-):
-    """Accumulate the [BLOCK_M, BLOCK_N] tile at (off_m, off_n) of A[:, k0:k1] @ B[k0:k1, :].
-
-    The descriptors end at k1, so the last step's columns past it read as zeros: no masks.
-    """
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k1, BLOCK_K):
-        a = load_tile(a_desc, off_m, k, A_K_CONTIGUOUS)
-        b = load_tile(b_desc, k, off_n, B_N_CONTIGUOUS)
-        acc = dot_tile(a, b, acc, INPUT_PRECISION, UPCAST_TO_FP32)
-    return acc
-
+# --- one output tile ------------------------------------------------------------------------------
 
 @triton.jit
 def pointer_tile(
@@ -133,11 +91,14 @@ def pointer_tile(
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Unscaled products: the scale pointers and strides of k_loop are not read.
     acc = k_loop(
         a_ptr, b_ptr,
-        widen(m0 + rows % (m1 - m0), INDEX_64), widen(n0 + cols % (n1 - n0), INDEX_64), k_size,
+        widen(m0 + rows % (m1 - m0), INDEX_64), widen(n0 + cols % (n1 - n0), INDEX_64), 0, k_size,
         stride_am, stride_ak, stride_bk, stride_bn,
+        a_ptr, b_ptr, 0, 0, 0, 0,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+        "none", 1, 1, False,
     )
     store_epilogue(
         acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1, n1,
@@ -145,9 +106,34 @@ def pointer_tile(
     )
 
 
+@triton.jit
+def descriptor_tile(
+    a_desc, b_desc, c_ptr, bias_ptr, off_m, off_n, k0, k1, m1, n1,
+    stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Compute and store the tile at (off_m, off_n) of A[:, k0:k1] @ B[k0:k1, :] with operands
+    loaded through TMA descriptors (``operand_descriptor``) that end at the group's last row
+    m1, column n1 and contraction index k1: loads past them read zeros, so nothing is masked
+    but the store."""
+    rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+    cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k1, BLOCK_K):
+        a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
+        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
+        # Unscaled products: the scale pointers and strides are not read.
+        acc = accumulate(acc, a, b, k, c_ptr, c_ptr, rows, cols, 0, 0, 0, 0, INPUT_PRECISION,
+                         UPCAST_TO_FP32, "none", 1, 1, False)
+    store_epilogue(acc, c_ptr, bias_ptr, rows, cols, m1, n1, stride_cm, stride_cn, stride_bias,
+                   HAS_BIAS, "none")
+
+
 # --- kernels ------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["M_BUCKET", "N_BUCKET", "K_BUCKET", "LAYOUT"])
+@triton.jit
 def grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr,
     G, M, N, K,
@@ -155,9 +141,8 @@ def grouped_mm_kernel(
     stride_bg, stride_bk, stride_bn,
     stride_cg, stride_cm, stride_cn,
     stride_bias_g, stride_bias_n,
-    M_BUCKET, N_BUCKET, K_BUCKET, LAYOUT,
     GROUPED: tl.constexpr, ZERO_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_TMA: tl.constexpr, A_K_CONTIGUOUS: tl.constexpr, B_N_CONTIGUOUS: tl.constexpr,
+    USE_TMA: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -169,8 +154,7 @@ def grouped_mm_kernel(
     # wrapped rows and a masked K remainder; the epilogue adds the group's bias, casts, and
     # stores the rows and columns inside the group. ZERO_TAIL then writes zeros past the last
     # group ("m": rows of C, "n": columns of C); without it they are left as they were.
-    # M, N and K are the full extents (the grouped one included); M_BUCKET, N_BUCKET, K_BUCKET
-    # and LAYOUT only key the autotuner's cache.
+    # M, N and K are the full extents (the grouped one included).
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -192,23 +176,20 @@ def grouped_mm_kernel(
             if USE_TMA:
                 # The descriptors end at the group's last row, column and contraction index.
                 k_end = tl.maximum(k1, 1)
-                a_desc = tile_descriptor(a_g, m1, k_end, stride_am, stride_ak, BLOCK_M, BLOCK_K,
-                                         A_K_CONTIGUOUS)
-                b_desc = tile_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K, BLOCK_N,
-                                         B_N_CONTIGUOUS)
+                a_desc = operand_descriptor(a_g, m1, k_end, stride_am, stride_ak, BLOCK_M,
+                                            BLOCK_K, A_M_CONTIGUOUS)
+                b_desc = operand_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
+                                            BLOCK_N, B_K_CONTIGUOUS)
             while tile < tiles_end:
                 pid_m, pid_n = grouped_tile(tile - tiles_before, m1 - m0, n1 - n0,
                                             BLOCK_M, BLOCK_N, GROUP_M)
                 if USE_TMA:
-                    acc = descriptor_k_loop(
-                        a_desc, b_desc, m0 + pid_m * BLOCK_M, n0 + pid_n * BLOCK_N, k0, k1,
-                        A_K_CONTIGUOUS, B_N_CONTIGUOUS, BLOCK_M, BLOCK_N, BLOCK_K,
-                        INPUT_PRECISION, UPCAST_TO_FP32,
+                    descriptor_tile(
+                        a_desc, b_desc, c_g, bias_g, m0 + pid_m * BLOCK_M, n0 + pid_n * BLOCK_N,
+                        k0, k1, m1, n1, stride_cm, stride_cn, stride_bias_n,
+                        HAS_BIAS, A_M_CONTIGUOUS, B_K_CONTIGUOUS, INPUT_PRECISION,
+                        UPCAST_TO_FP32, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K,
                     )
-                    rows = widen(m0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
-                    cols = widen(n0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
-                    store_epilogue(acc, c_g, bias_g, rows, cols, m1, n1, stride_cm, stride_cn,
-                                   stride_bias_n, HAS_BIAS, "none")
                 else:
                     kw = widen(k0, INDEX_64)
                     pointer_tile(

@@ -35,25 +35,30 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.library import wrap_triton
 
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
 from ._registry import define_triton_op
-from .mm import _check, _check_value, _input_precision, _layout_key, _needs_grad, _plain_eager
+from .mm import (
+    _base_aligned,
+    _check,
+    _check_value,
+    _input_precision,
+    _launch,
+    _needs_grad,
+    _num_sms,
+    _plain_eager,
+    _tma_operand,
+)
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = INPUT_DTYPES
 _INT32_LIMIT = 2**31 - 1
 _CHECK_OFFS_ENV = "TORCH_TRITON_GEMM_CHECK_OFFS"
-
-_grouped_kernel_autotuned = tuning.autotune_grouped(grouped_mm_kernel)
-_grouped_eager_launch = tuning.TunedLaunch(_grouped_kernel_autotuned)
 
 
 # --- forms and checks ---------------------------------------------------------------------------
@@ -273,48 +278,48 @@ def _grouped_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
-               p: _Problem) -> tuple[bool, bool, bool]:
-    """Whether the operands can load through TMA descriptors, and which of their last two dims
-    is contiguous (a along K, b along N): (use_tma, a_k_contiguous, b_n_contiguous).
+               p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...], dict[str, bool]]:
+    """Whether the operands can load through TMA descriptors, with the [G, rows, cols] strides
+    of a and b as the kernel should see them and its layout flags (A_M_CONTIGUOUS: a's unit
+    stride along M, not K; B_K_CONTIGUOUS: b's along K, not N).
 
     TMA needs Hopper, a 16-byte aligned base (for every group, in a 3-D operand), a unit stride
-    in one of the last two dims and 16-byte multiples for the others. A TMA read must also start
-    on a 16-byte boundary along the contiguous dim, so that dim must not be the grouped one
-    (group starts are arbitrary): the MoE layouts (forward, input and weight gradients) all
-    qualify; the others take the pointer loaders.
+    in one of the last two dims and 16-byte multiples for the others (ops/mm.py's rules). A TMA
+    read must also start on a 16-byte boundary along the contiguous dim, so that dim must not be
+    the grouped one (group starts are arbitrary): the MoE layouts (forward, input and weight
+    gradients) all qualify; the others take the pointer loaders. Triton's interpreter emulates
+    the descriptors, so CPU runs take the same path.
     """
-    if not _device.tma_supported(a.device) or p.K == 0:
-        return False, True, True
-    align = 16 // a.element_size()
-    a_k = _tma_major(a, p.a_strides, align)
-    b_n = _tma_major(b, p.b_strides, align)
-    if a_k is None or b_n is None:
-        return False, True, True
-    grouped_contiguous = {"m": not a_k, "n": b_n, "k": a_k or not b_n, "none": False}[form]
+    pointers = _pointer_loads(p)
+    ready = _device.supports_tma(a.device) or _device.interpreter_enabled()
+    strides = (*p.a_strides, *p.b_strides)
+    # Symbolic strides (dynamic shapes) would guard on their alignment: pointers then.
+    if not ready or p.K == 0 or any(type(x) is not int for x in strides):
+        return pointers
+    a_desc = _tma_grouped_operand(a, p.M, p.K, p.a_strides)
+    b_desc = _tma_grouped_operand(b, p.K, p.N, p.b_strides)
+    if a_desc is None or b_desc is None:
+        return pointers
+    a_m, b_k = a_desc[0], b_desc[0]
+    grouped_contiguous = {"m": a_m, "n": not b_k, "k": not a_m or b_k, "none": False}[form]
     if grouped_contiguous:
-        return False, True, True
-    return True, a_k, b_n
+        return pointers
+    return (True, (p.a_strides[0], *a_desc[1:]), (p.b_strides[0], *b_desc[1:]),
+            {"A_M_CONTIGUOUS": a_m, "B_K_CONTIGUOUS": b_k})
 
 
-def _tma_major(t: torch.Tensor, strides: tuple[int, ...], align: int) -> bool | None:
-    """For [.., rows, cols] ``t``: True if its cols are contiguous, False if its rows are,
-    None if TMA cannot load it."""
-    if not _base_aligned(t) or strides[0] % align != 0:
+def _pointer_loads(p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...], dict[str, bool]]:
+    """``_tma_loads``'s answer for the pointer loaders: the operands' own strides."""
+    return False, p.a_strides, p.b_strides, {"A_M_CONTIGUOUS": False, "B_K_CONTIGUOUS": False}
+
+
+def _tma_grouped_operand(t: torch.Tensor, rows: int, cols: int,
+                         strides: tuple[int, ...]) -> tuple[bool, int, int] | None:
+    """ops/mm.py's ``_tma_operand`` for one [G, rows, cols] operand (2-D: one group of stride
+    0), which also needs every group's base on a 16-byte boundary."""
+    if not _base_aligned(t) or strides[0] * t.element_size() % 16 != 0:
         return None
-    row_stride, col_stride = strides[1], strides[2]
-    if col_stride == 1 and row_stride > 0 and row_stride % align == 0:
-        return True
-    if row_stride == 1 and col_stride > 0 and col_stride % align == 0:
-        return False
-    return None
-
-
-def _base_aligned(t: torch.Tensor) -> bool:
-    """Whether t's first element sits on a 16-byte boundary. Traced tensors (fake, functional)
-    have no address: their storage is taken as aligned, as PyTorch's allocators align it."""
-    if _holds_data(t):
-        return t.data_ptr() % 16 == 0
-    return (t.storage_offset() * t.element_size()) % 16 == 0
+    return _tma_operand(rows, cols, strides[1], strides[2], t.element_size())
 
 
 def _sym_min(a: int, b: int | torch.SymInt) -> int | torch.SymInt:
@@ -336,49 +341,35 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     G, M, N, K = p.G, p.M, p.N, p.K
     if out.numel() == 0 or G == 0 and not zero_tail:
         return
-    tma, a_k_contiguous, b_n_contiguous = _tma_loads(form, a, b, p)
-    if use_tma is not None:
-        tma = tma and use_tma
+    loads = _tma_loads(form, a, b, p) if use_tma is not False else _pointer_loads(p)
+    tma, a_strides, b_strides, flags = loads
     if tma:
-        _device.ensure_tma_allocator()
-    # A group's average extents key the tile choice (offs' values stay on the device).
-    groups = max(G, 1) if type(G) is int else G
-    m_avg = M // groups if form == "m" else M
-    n_avg = N // groups if form == "n" else N
-    k_avg = K // groups if form == "k" else K
-    m_bucket, n_bucket, k_bucket = (tuning.size_bucket(x) for x in (m_avg, n_avg, k_avg))
-    layout = _layout_key(p.a_strides[2], p.b_strides[1])
+        _device.install_tma_allocator()
+    tile = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device))
     stride_bias_g, stride_bias_n = p.bias_strides
     # Runtime arguments in grouped_mm_kernel's order; the tile's meta-parameters come after.
     args = (
         a, b, out, bias, offs, G, M, N, K,
-        *p.a_strides, *p.b_strides, *p.c_strides, stride_bias_g, stride_bias_n,
-        m_bucket, n_bucket, k_bucket, layout,
-        form, zero_tail, bias is not None, tma, a_k_contiguous, b_n_contiguous,
+        *a_strides, *b_strides, *p.c_strides, stride_bias_g, stride_bias_n,
+        form, zero_tail, bias is not None, tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"],
         _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out),
     )
-    programs = _device.persistent_programs(a.device)
+    # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
+    grid = (_sym_min(_num_sms(a.device),
+                     _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
+    _launch(grouped_mm_kernel, grid, args, tuning.grouped_launch_meta(tile), traceable)
 
-    def grid(meta: dict[str, Any]) -> tuple[int | torch.SymInt]:
-        return (_sym_min(programs, _tile_bound(form, G, M, N, meta["BLOCK_M"], meta["BLOCK_N"],
-                                               zero_tail)),)
 
-    if traceable:
-        named = dict(zip(grouped_mm_kernel.arg_names, args))
-        if tuning.autotune_enabled():
-            wrap_triton(_grouped_kernel_autotuned)[grid](**named)
-        else:
-            wrap_triton(grouped_mm_kernel)[grid](**named, **_heuristic_config(a, m_avg, n_avg,
-                                                                              k_avg))
-    elif tuning.autotune_enabled():
-        key = (a.device, a.dtype, out.dtype, bias.dtype if bias is not None else None,
-               m_bucket, n_bucket, k_bucket, layout, form, zero_tail, tma, a_k_contiguous,
-               b_n_contiguous)
-        _grouped_eager_launch(key, grid, args)
-    else:
-        config = _heuristic_config(a, m_avg, n_avg, k_avg)
-        grouped_mm_kernel[grid(config)](*args, **config)
+def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool) -> tuning.TileConfig:
+    """The heuristic's tile for a group's average output extents (offs' values stay on the
+    device); one tile for all sizes when they are symbolic."""
+    if type(G) is not int or type(M) is not int or type(N) is not int:
+        return tuning.symbolic_grouped_tile(element_size)
+    groups = max(G, 1)
+    m_per_group = M // groups if form == "m" else M
+    n_per_group = N // groups if form == "n" else N
+    return tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma)
 
 
 def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
@@ -392,10 +383,6 @@ def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
     if form == "n":
         return tiles_m * (tiles_n + G + int(zero_tail))
     return G * tiles_m * tiles_n
-
-
-def _heuristic_config(a: torch.Tensor, m: Any, n: Any, k: Any) -> Mapping[str, Any]:
-    return tuning.mm_launch_config(tuning.heuristic_grouped_tile(m, n, k, a.element_size()))
 
 
 # --- registration -------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import TABLE_COLUMNS, grouped_mm_list_kernel
 from .grouped_mm import INPUT_DTYPES, OUT_DTYPES
-from .mm import _check, _check_value, _input_precision
+from .mm import _check, _check_value, _input_precision, _num_sms
 
 _OP = "tgemm::grouped_mm_list"
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
@@ -102,9 +102,9 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
     error = _device.kernel_device_error(device)
     _check(error is None, lambda: f"{_OP}: {error}")
     rows, tiles = [], 0
-    tile = tuning.heuristic_grouped_tile(
-        max(x.shape[0] for x in a), max(y.shape[1] for y in b), max(x.shape[1] for x in a),
-        a[0].element_size())
+    # The pointer loaders only: the list's operands have no common layout to describe.
+    tile = tuning.heuristic_grouped_tile(max(x.shape[0] for x in a), max(y.shape[1] for y in b),
+                                         a[0].element_size(), tma=False)
     for x, y, c in zip(a, b, out):
         (m, k), n = x.shape, y.shape[1]
         rows.append([x.data_ptr(), y.data_ptr(), c.data_ptr(), m, n, k, *x.stride(), *y.stride(),
@@ -118,12 +118,12 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
         # Pinned memory copies without a host sync; the caching host allocator keeps the buffer
         # until the copy has run.
         table = table.pin_memory().to(device, non_blocking=True)
-    config = tuning.mm_launch_config(tile)
-    grid = (min(_device.persistent_programs(device), tiles),)
+    grid = (min(_num_sms(device), tiles),)
     aligned = all(_aligned(x, y, c) for x, y, c in zip(a, b, out) if c.numel() > 0)
     grouped_mm_list_kernel[grid](
         a[0], b[0], out[0], table, len(rows), aligned, _input_precision(a[0].dtype),
-        _device.interpreter_enabled() and a[0].dtype == torch.bfloat16, **config)
+        _device.interpreter_enabled() and a[0].dtype == torch.bfloat16,
+        **tuning.grouped_launch_meta(tile))
 
 
 def _aligned(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
