@@ -18,6 +18,7 @@ from samples import make_operand, randn, rel_error, tolerance
 from test_mm import _run_without_interpreter
 
 import torch_triton_gemm as tg
+from torch_triton_gemm import tuning
 from torch_triton_gemm.ops import grouped_mm as grouped_module
 from torch_triton_gemm.ops import grouped_mm_list as grouped_list_module
 from torch_triton_gemm.ops.grouped_mm import launch_grouped_mm
@@ -200,6 +201,32 @@ def test_loader_choice(device):
             assert use_tma == ((form, layout) in TMA_LAYOUTS), s.name
             if use_tma:
                 assert a_m == (layout == "tn") and b_k == (layout == "nt"), s.name
+
+
+def test_heuristic_tiles(monkeypatch):
+    """The GPU tile choice by a group's average size (see tuning.heuristic_grouped_tile): 16- and
+    64-row tiles for small groups, 128x256 for wide MoE outputs loaded by TMA, 128x128
+    otherwise; BLOCK_K rescaled per dtype; stages shed to fit smaller shared memories."""
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    h100_smem = 232448
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: h100_smem)
+    tile = tuning.heuristic_grouped_tile
+    assert tile(4096, 14336, 2, True) == tuning.TileConfig(128, 256, 64, 8, 8, 3)  # Mixtral
+    assert tile(128, 2048, 2, True) == tuning.TileConfig(128, 256, 64, 8, 8, 3)  # DeepSeek-V3
+    assert tile(4096, 14336, 2, False) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
+    assert tile(4096, 1024, 2, True) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
+    assert tile(127, 14336, 2, True).block_m == 64
+    assert tile(1, 4096, 2, True).block_m == 16
+    assert (tile(4096, 64, 2, True).block_m, tile(4096, 64, 2, True).block_n) == (128, 64)
+    assert tile(4096, 4096, 4, False).block_k == 32 and tile(4096, 4096, 1, False).block_k == 128
+    for smem in (101376, 166912):  # sm_86 / sm_89, sm_80
+        monkeypatch.setattr(tuning._device, "shared_memory_per_block",
+                            lambda index, smem=smem: smem)
+        for element_size in (2, 4):
+            for m, n, tma in ((4096, 14336, True), (4096, 1024, False), (64, 512, False)):
+                t = tile(m, n, element_size, tma)
+                assert tuning.shared_memory_bytes(t, element_size) <= smem, (smem, t)
+                assert t.num_stages >= 2
 
 
 def tg_device_has_tma(device: str) -> bool:
@@ -752,6 +779,28 @@ def test_gpu_moe_shapes_match_torch(skewed):
     ref_wgrad, _ = reference(x.t(), grad, offs)
     assert rel_error(wgrad, ref_wgrad) <= 1e-2
     assert rel_error(wgrad, torch._grouped_mm(x.t(), grad, offs).double()) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,experts,n,block", [
+    (2048, 8, 2048, (128, 256)),  # long groups, wide output (128x256 where TMA loads)
+    (2048, 8, 1024, (128, 128)),
+    (2048, 8, 64, (128, 64)),
+    (512, 16, 512, (64, 128)),    # T/G = 32 rows
+    (64, 8, 256, (16, 128)),      # T/G = 8 rows
+])
+def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block):
+    x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=False)
+    s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
+    tile = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0])
+    if block == (128, 256) and not _loaders(s)[0]:
+        block = (128, 128)  # GPUs without TMA
+    assert (tile.block_m, tile.block_n) == block
+    out = tg.grouped_mm(x, w.transpose(-2, -1), offs)
+    ref, written = reference(x, w.transpose(-2, -1), offs)
+    assert rel_error(out[written], ref[written]) <= 1e-2
+    expected = torch._grouped_mm(x, w.transpose(-2, -1), offs)
+    assert rel_error(out[written], expected[written].double()) <= 1e-2
 
 
 @pytest.mark.gpu
