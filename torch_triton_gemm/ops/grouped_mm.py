@@ -46,6 +46,7 @@ from ._registry import define_triton_op
 from .mm import (
     _base_aligned,
     _check,
+    _check_operand_pair,
     _check_value,
     _input_precision,
     _launch,
@@ -108,16 +109,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
            lambda: f"{op}: a and b must be 2-D or 3-D, got a of shape {tuple(a.shape)} and b of "
                    f"shape {tuple(b.shape)}")
     form = _form(a, b)
-    _check_value(
-        a.dtype in INPUT_DTYPES,
-        lambda: f"{op}: a has dtype {a.dtype}; supported: {', '.join(map(str, INPUT_DTYPES))}")
-    _check_value(
-        a.dtype == b.dtype,
-        lambda: f"{op}: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
-    _check(a.device == b.device, lambda: f"{op}: a is on {a.device} but b is on {b.device}")
-    _check(a.layout == torch.strided and b.layout == torch.strided,
-           lambda: f"{op}: a and b must be dense (strided) tensors, got {a.layout} and "
-                   f"{b.layout}")
+    _check_operand_pair(op, a, b, INPUT_DTYPES)
     _check(a.shape[-1] == b.shape[-2],
            lambda: f"{op}: a has {a.shape[-1]} columns but b has {b.shape[-2]} rows (a is "
                    f"{tuple(a.shape)}, b is {tuple(b.shape)})")
