@@ -3,10 +3,13 @@
 Importing the package registers the operators under ``torch.ops.tgemm``.
 """
 
+from .ops.grouped_mm import grouped_mm
+from .ops.grouped_mm_list import grouped_mm_list
 from .ops.mm import mm
 from .ops.scaled_mm import scaled_mm
 from .override import override
 from .quantize import dequantize, quantize
 
-__all__ = ["dequantize", "mm", "override", "quantize", "scaled_mm"]
+__all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "override", "quantize",
+           "scaled_mm"]
 __version__ = "0.1.0"

@@ -414,3 +414,61 @@ def heuristic_scaled_mm_tile(m: int, n: int, scaling: str) -> TileConfig:
     if type(m) is int and m <= 32:
         return SCALED_MM_MICRO_SKINNY_TILE
     return SCALED_MM_MICRO_TILE
+
+
+# --- grouped_mm -----------------------------------------------------------------------------------
+# The persistent grouped kernel launches one tile for all groups, chosen from a group's average
+# size (offs stays on the device, so the host never sees the real group sizes). Tiles are written
+# for 2-byte inputs; BLOCK_K is rescaled per dtype and stages shed to fit shared memory as for mm.
+
+# Groups averaging fewer rows than this get 64-row tiles (less work wasted on each group's last,
+# partial tile row); 16-row tiles below GROUPED_TINY_ROWS (decode-sized groups, and the one-row
+# products of the bias gradient).
+GROUPED_SMALL_ROWS = 128
+GROUPED_TINY_ROWS = 16
+# From this many output columns on, 128x256 tiles (TMA loads only): every group then has at
+# least 8 column tiles, and the wider tile halves the A re-reads that bound MoE shapes.
+GROUPED_WIDE_N = 2048
+
+
+def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: bool) -> TileConfig:
+    """The grouped kernel's tile for groups of ``m_per_group`` output rows (on average) and ``n``
+    output columns each, ``tma`` when the operands load through TMA descriptors (Hopper).
+
+    - interpreter: the small tile every interpreted kernel uses;
+    - T/G under 16 rows: 16x128 tiles; under 128 rows: 64x128 tiles, 4 warps, 4 stages;
+    - otherwise (MoE layers): 128x256x64 with 8 warps and 3 stages when N is large and TMA feeds
+      the tiles, 128x64 tiles for narrow outputs, else 128x128x64 with 8 warps and 4 stages.
+    """
+    if _device.interpreter_enabled():
+        return INTERPRETER_TILE
+    if m_per_group < GROUPED_TINY_ROWS:
+        tile = TileConfig(16, 128, 64, 1, 4, 4)
+    elif m_per_group < GROUPED_SMALL_ROWS:
+        tile = TileConfig(64, 128, 64, 8, 4, 4)
+    elif tma and n >= GROUPED_WIDE_N:
+        tile = TileConfig(128, 256, 64, 8, 8, 3)
+    elif n <= 64:
+        tile = TileConfig(128, 64, 64, 8, 4, 4)
+    else:
+        tile = TileConfig(128, 128, 64, 8, 8, 4)
+    return _fit_shared_memory(_for_dtype(tile, element_size), element_size,
+                              _device.shared_memory_per_block(0))
+
+
+def symbolic_grouped_tile(element_size: int) -> TileConfig:
+    """The grouped tile for symbolic sizes (torch.compile with dynamic shapes): one for all
+    sizes, so that nothing guards on them."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_TILE
+    return _fit_shared_memory(_for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size),
+                              element_size, _device.shared_memory_per_block(0))
+
+
+@functools.cache
+def grouped_launch_meta(tile: TileConfig) -> Mapping[str, Any]:
+    """Meta-parameters launching the grouped kernels with ``tile``; built once, read-only."""
+    return MappingProxyType({
+        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+        "GROUP_M": tile.group_m, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+    })

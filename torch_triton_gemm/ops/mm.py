@@ -61,6 +61,22 @@ def _check_value(cond: bool, message: Callable[[], str]) -> None:
     _check(cond, message, ValueError)
 
 
+def _check_operand_pair(op: str, a: torch.Tensor, b: torch.Tensor,
+                        dtypes: tuple[torch.dtype, ...]) -> None:
+    """The checks of a and b that every two-operand op makes: a supported dtype shared by
+    both, one device, dense layouts; messages start with the op's name ``op``."""
+    _check_value(
+        a.dtype in dtypes,
+        lambda: f"{op}: a has dtype {a.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    _check_value(
+        a.dtype == b.dtype,
+        lambda: f"{op}: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+    _check(a.device == b.device, lambda: f"{op}: a is on {a.device} but b is on {b.device}")
+    _check(a.layout == torch.strided and b.layout == torch.strided,
+           lambda: f"{op}: a and b must be dense (strided) tensors, got {a.layout} and "
+                   f"{b.layout}")
+
+
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
                   out_dtype: torch.dtype | None) -> torch.dtype:
     """Validate the arguments (also under FakeTensor and symbolic shapes); return the out dtype."""
@@ -74,17 +90,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         a.shape[1] == b.shape[0],
         lambda: f"tgemm::mm: a has {a.shape[1]} columns but b has {b.shape[0]} rows "
                 f"(a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    _check_value(
-        a.dtype in INPUT_DTYPES,
-        lambda: f"tgemm::mm: a has dtype {a.dtype}; supported: "
-                f"{', '.join(str(d) for d in INPUT_DTYPES)}")
-    _check_value(
-        a.dtype == b.dtype,
-        lambda: f"tgemm::mm: a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
-    _check(a.device == b.device, lambda: f"tgemm::mm: a is on {a.device} but b is on {b.device}")
-    _check(a.layout == torch.strided and b.layout == torch.strided,
-           lambda: f"tgemm::mm: a and b must be dense (strided) tensors, got {a.layout} and "
-                   f"{b.layout}")
+    _check_operand_pair("tgemm::mm", a, b, INPUT_DTYPES)
     _check_value(
         activation in ACTIVATIONS,
         lambda: f"tgemm::mm: unknown activation {activation!r}; choose one of {ACTIVATIONS}")

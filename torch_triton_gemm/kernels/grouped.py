@@ -1,0 +1,279 @@
+"""The tgemm::grouped_mm kernels: many GEMMs in one persistent launch.
+
+``grouped_mm_kernel`` serves torch._grouped_mm's forms, where groups are ranges of one dimension
+given by cumulative ends ``offs`` read on the device (GROUPED = "m": rows of a 2-D A and of C;
+"n": columns of a 2-D B and of C; "k": the contraction of a 2-D A and a 2-D B, one [M, N] output
+per group), or the entries of a batch (GROUPED = "none"). ``grouped_mm_list_kernel`` serves
+independent problems of any sizes whose addresses, sizes and strides come from a table.
+
+Both walk the tiles of all groups the same way; a tile is computed by the shared pieces of
+tiles.py (``k_loop`` or ``accumulate``, ``store_epilogue``) with operands loaded through pointers
+or through the TMA descriptors of tma.py. What is grouped-specific lives here: group extents from
+offs, the persistent walk over the groups' tiles, and the list kernel's problem table.
+"""
+
+import triton
+import triton.language as tl
+
+from .tiles import accumulate, grouped_tile, k_loop, store_epilogue, widen
+from .tma import load_operand, operand_descriptor
+
+# Columns of the list kernel's problem table (int64, one row per problem).
+TABLE_A = tl.constexpr(0)  # addresses of A, B and C
+TABLE_B = tl.constexpr(1)
+TABLE_C = tl.constexpr(2)
+TABLE_M = tl.constexpr(3)  # sizes
+TABLE_N = tl.constexpr(4)
+TABLE_K = tl.constexpr(5)
+TABLE_STRIDE_AM = tl.constexpr(6)  # strides
+TABLE_STRIDE_AK = tl.constexpr(7)
+TABLE_STRIDE_BK = tl.constexpr(8)
+TABLE_STRIDE_BN = tl.constexpr(9)
+TABLE_STRIDE_CM = tl.constexpr(10)
+TABLE_STRIDE_CN = tl.constexpr(11)
+TABLE_COLUMNS = tl.constexpr(12)
+
+
+# --- group extents ------------------------------------------------------------------------------
+
+@triton.jit
+def group_end(offs_ptr, g, start, total):
+    """Where group g ends along the grouped dimension, given where it starts.
+
+    offs holds cumulative ends; the end is clamped into [start, total], so groups never overlap
+    and never leave the tensor whatever offs holds: an entry below its predecessor gives an empty
+    group, an entry past the end stops at the end.
+    """
+    end = tl.load(offs_ptr + g)
+    return tl.minimum(tl.maximum(end, start), total)
+
+
+@triton.jit
+def group_problem(offs_ptr, g, start, M, N, K, GROUPED: tl.constexpr):
+    """Group g's row, column and contraction ranges [m0, m1), [n0, n1), [k0, k1), in the
+    coordinates of the full operands, and where it ends along the grouped dimension."""
+    m0 = 0
+    m1 = M
+    n0 = 0
+    n1 = N
+    k0 = 0
+    k1 = K
+    end = start
+    if GROUPED == "m":
+        end = group_end(offs_ptr, g, start, M)
+        m0 = start
+        m1 = end
+    elif GROUPED == "n":
+        end = group_end(offs_ptr, g, start, N)
+        n0 = start
+        n1 = end
+    elif GROUPED == "k":
+        end = group_end(offs_ptr, g, start, K)
+        k0 = start
+        k1 = end
+    return m0, m1, n0, n1, k0, k1, end
+
+
+# --- one output tile ------------------------------------------------------------------------------
+
+@triton.jit
+def pointer_tile(
+    a_ptr, b_ptr, c_ptr, bias_ptr, m0, m1, n0, n1, k_size, pid_m, pid_n,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Compute and store tile (pid_m, pid_n) of rows [m0, m1) x columns [n0, n1) of C through
+    pointers; a_ptr and b_ptr point at the first contraction index of the problem.
+
+    Rows and columns past the range are read wrapped inside it (no load masks) and not stored.
+    """
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Unscaled products: the scale pointers and strides of k_loop are not read.
+    acc = k_loop(
+        a_ptr, b_ptr,
+        widen(m0 + rows % (m1 - m0), INDEX_64), widen(n0 + cols % (n1 - n0), INDEX_64), 0, k_size,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        a_ptr, b_ptr, 0, 0, 0, 0,
+        BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+        "none", 1, 1, False,
+    )
+    store_epilogue(
+        acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1, n1,
+        stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
+    )
+
+
+@triton.jit
+def descriptor_tile(
+    a_desc, b_desc, c_ptr, bias_ptr, off_m, off_n, k0, k1, m1, n1,
+    stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Compute and store the tile at (off_m, off_n) of A[:, k0:k1] @ B[k0:k1, :] with operands
+    loaded through TMA descriptors (``operand_descriptor``) that end at the group's last row
+    m1, column n1 and contraction index k1: loads past them read zeros, so nothing is masked
+    but the store."""
+    rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+    cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, k1, BLOCK_K):
+        a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
+        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
+        # Unscaled products: the scale pointers and strides are not read.
+        acc = accumulate(acc, a, b, k, c_ptr, c_ptr, rows, cols, 0, 0, 0, 0, INPUT_PRECISION,
+                         UPCAST_TO_FP32, "none", 1, 1, False)
+    store_epilogue(acc, c_ptr, bias_ptr, rows, cols, m1, n1, stride_cm, stride_cn, stride_bias,
+                   HAS_BIAS, "none")
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+@triton.jit
+def grouped_mm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr,
+    G, M, N, K,
+    stride_ag, stride_am, stride_ak,
+    stride_bg, stride_bk, stride_bn,
+    stride_cg, stride_cm, stride_cn,
+    stride_bias_g, stride_bias_n,
+    GROUPED: tl.constexpr, ZERO_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_TMA: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Persistent: program p computes tiles p, p + P, p + 2P, ... of one numbering that lists
+    # group 0's output tiles (in GROUP_M-row bands for L2 reuse), then group 1's, and so on.
+    # Every program walks the groups in order, reading each group's extent from offs on the
+    # device, so the launch never depends on offs on the host. A tile's K loop streams A and B
+    # through TMA descriptors that end where the group ends (USE_TMA), or through pointers with
+    # wrapped rows and a masked K remainder; the epilogue adds the group's bias, casts, and
+    # stores the rows and columns inside the group. ZERO_TAIL then writes zeros past the last
+    # group ("m": rows of C, "n": columns of C); without it they are left as they were.
+    # M, N and K are the full extents (the grouped one included).
+    pid = tl.program_id(axis=0)
+    num_programs = tl.num_programs(axis=0)
+    tile = pid
+    tiles_before = 0
+    end = 0
+    for g in range(0, G):
+        m0, m1, n0, n1, k0, k1, end = group_problem(offs_ptr, g, end, M, N, K, GROUPED)
+        num_pid_m = tl.cdiv(m1 - m0, BLOCK_M)
+        num_pid_n = tl.cdiv(n1 - n0, BLOCK_N)
+        tiles_end = tiles_before + num_pid_m * num_pid_n
+        if tile < tiles_end:
+            gw = widen(g, INDEX_64)
+            a_g = a_ptr + gw * stride_ag
+            b_g = b_ptr + gw * stride_bg
+            c_g = c_ptr + gw * stride_cg
+            bias_g = bias_ptr
+            if HAS_BIAS:
+                bias_g = bias_ptr + gw * stride_bias_g
+            if USE_TMA:
+                # The descriptors end at the group's last row, column and contraction index.
+                k_end = tl.maximum(k1, 1)
+                a_desc = operand_descriptor(a_g, m1, k_end, stride_am, stride_ak, BLOCK_M,
+                                            BLOCK_K, A_M_CONTIGUOUS)
+                b_desc = operand_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
+                                            BLOCK_N, B_K_CONTIGUOUS)
+            while tile < tiles_end:
+                pid_m, pid_n = grouped_tile(tile - tiles_before, m1 - m0, n1 - n0,
+                                            BLOCK_M, BLOCK_N, GROUP_M)
+                if USE_TMA:
+                    descriptor_tile(
+                        a_desc, b_desc, c_g, bias_g, m0 + pid_m * BLOCK_M, n0 + pid_n * BLOCK_N,
+                        k0, k1, m1, n1, stride_cm, stride_cn, stride_bias_n,
+                        HAS_BIAS, A_M_CONTIGUOUS, B_K_CONTIGUOUS, INPUT_PRECISION,
+                        UPCAST_TO_FP32, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K,
+                    )
+                else:
+                    kw = widen(k0, INDEX_64)
+                    pointer_tile(
+                        a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g,
+                        m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
+                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                        stride_bias_n, HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+                        BLOCK_M, BLOCK_N, BLOCK_K,
+                    )
+                tile += num_programs
+        tiles_before = tiles_end
+    if ZERO_TAIL:
+        # The rows (GROUPED "m") or columns ("n") from the last group's end on, as one more
+        # range of tiles in the same numbering.
+        m0 = 0
+        n0 = 0
+        if GROUPED == "m":
+            m0 = end
+        else:
+            n0 = end
+        num_pid_m = tl.cdiv(M - m0, BLOCK_M)
+        num_pid_n = tl.cdiv(N - n0, BLOCK_N)
+        tiles_end = tiles_before + num_pid_m * num_pid_n
+        while tile < tiles_end:
+            pid_m, pid_n = grouped_tile(tile - tiles_before, M - m0, N - n0,
+                                        BLOCK_M, BLOCK_N, GROUP_M)
+            rows = widen(m0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
+            cols = widen(n0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
+            store_epilogue(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), c_ptr, bias_ptr,
+                           rows, cols, M, N, stride_cm, stride_cn, 0, False, "none")
+            tile += num_programs
+
+
+@triton.jit
+def grouped_mm_list_kernel(
+    a_ptr, b_ptr, c_ptr, table_ptr, G,
+    ALIGNED: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # C_g = A_g @ B_g for G independent problems of any sizes and strides, one row of table_ptr
+    # each (addresses, sizes, strides as int64; see TABLE_COLUMNS). Persistent, with the same
+    # tile numbering as grouped_mm_kernel; tiles go through the pointer loaders with int64
+    # offsets. a_ptr, b_ptr and c_ptr are problem 0's tensors: they give the table's addresses
+    # their element types. ALIGNED (checked on the host for every problem: A and B rows
+    # contiguous, 16-byte aligned addresses, K, N and leading strides multiples of 16 elements)
+    # tells the compiler so, which lets it vectorize and pipeline the loads.
+    pid = tl.program_id(axis=0)
+    num_programs = tl.num_programs(axis=0)
+    tile = pid
+    tiles_before = 0
+    for g in range(0, G):
+        row = table_ptr + g * TABLE_COLUMNS
+        m = tl.load(row + TABLE_M)
+        n = tl.load(row + TABLE_N)
+        tiles_end = tiles_before + (tl.cdiv(m, BLOCK_M) * tl.cdiv(n, BLOCK_N)).to(tl.int32)
+        if tile < tiles_end:
+            a_g = tl.load(row + TABLE_A).to(tl.pointer_type(a_ptr.dtype.element_ty))
+            b_g = tl.load(row + TABLE_B).to(tl.pointer_type(b_ptr.dtype.element_ty))
+            c_g = tl.load(row + TABLE_C).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            k = tl.load(row + TABLE_K)
+            stride_am = tl.load(row + TABLE_STRIDE_AM)
+            stride_ak = tl.load(row + TABLE_STRIDE_AK)
+            stride_bk = tl.load(row + TABLE_STRIDE_BK)
+            stride_bn = tl.load(row + TABLE_STRIDE_BN)
+            stride_cm = tl.load(row + TABLE_STRIDE_CM)
+            stride_cn = tl.load(row + TABLE_STRIDE_CN)
+            if ALIGNED:
+                a_g = tl.multiple_of(a_g, 16)
+                b_g = tl.multiple_of(b_g, 16)
+                c_g = tl.multiple_of(c_g, 16)
+                n = tl.multiple_of(n, 16)
+                k = tl.multiple_of(k, 16)
+                stride_am = tl.multiple_of(stride_am, 16)
+                stride_bk = tl.multiple_of(stride_bk, 16)
+                stride_cm = tl.multiple_of(stride_cm, 16)
+                stride_ak = 1
+                stride_bn = 1
+                stride_cn = 1
+            while tile < tiles_end:
+                pid_m, pid_n = grouped_tile(tile - tiles_before, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+                pointer_tile(
+                    a_g, b_g, c_g, c_g, 0, m, 0, n, k, pid_m, pid_n,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
+                    False, INPUT_PRECISION, UPCAST_TO_FP32, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                )
+                tile += num_programs
+        tiles_before = tiles_end
