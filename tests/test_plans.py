@@ -280,3 +280,20 @@ def test_eager_launches_memoised_per_signature_stay_right(device):
         with pytest.raises(RuntimeError, match="columns but b has"):
             tg.mm(randn((21, 41), torch.float16, device), w.t())
     assert len(mm_module._EAGER_LAUNCHES) >= 3
+
+
+def test_tma_allocator_reaches_threads_that_never_set_one():
+    """Autograd runs backward kernels on its own threads: Triton's allocator for device-side
+    TMA descriptors must be there too, not only in the thread that first launched."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from torch_triton_gemm import device as tgemm_device
+
+    tgemm_device.install_tma_allocator()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_allocation._allocator.get()))
+    thread.start()
+    thread.join()
+    assert seen == [tgemm_device._allocate_scratch]

@@ -5,8 +5,10 @@ Everything here is cached per device; nothing else in the package queries the GP
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
+import threading
 
 import torch
 
@@ -110,12 +112,38 @@ def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Te
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
-@functools.cache
-def install_tma_allocator() -> None:
-    """Give Triton the allocator that device-side TMA descriptors need (once per process)."""
-    import triton
+_TMA_ALLOCATOR = threading.local()
 
-    triton.set_allocator(_allocate_scratch)
+
+def install_tma_allocator() -> None:
+    """Give Triton the allocator that device-side TMA descriptors need, in every thread.
+
+    Triton keeps its allocator in a ContextVar, which is per thread, and autograd runs backward
+    kernels (compiled graphs' too) on threads of its own. Where Triton's allocator variable is a
+    ContextVar it is replaced, once, by one whose *default* is this allocator, so threads that
+    never set one use it; ``triton.set_allocator`` keeps working. Elsewhere the allocator is set
+    in each thread that launches (call this before each launch; it is cheap).
+    """
+    if getattr(_TMA_ALLOCATOR, "installed", False):
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    variable = getattr(_allocation, "_allocator", None)
+    if isinstance(variable, contextvars.ContextVar) and not _PROCESS_DEFAULT:
+        default: contextvars.ContextVar = contextvars.ContextVar(
+            "_allocator", default=_allocate_scratch)
+        current = variable.get()
+        if not isinstance(current, getattr(_allocation, "NullAllocator", ())):
+            default.set(current)  # keep an allocator this thread's caller set
+        _allocation._allocator = default
+        _PROCESS_DEFAULT.append(True)
+    elif not _PROCESS_DEFAULT:
+        triton.set_allocator(_allocate_scratch)
+    _TMA_ALLOCATOR.installed = True
+
+
+_PROCESS_DEFAULT: list[bool] = []  # the ContextVar default was installed (once per process)
 
 
 def supports_native_fp4(device: torch.device) -> bool:

@@ -377,6 +377,8 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, scales: GemmScales | None,
                traceable: bool) -> None:
     """Launch a prepared GEMM on these tensors (and its split-K reduction)."""
+    if prepared.kernel is mm_tma_kernel:
+        _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     workspace = None
     if prepared.workspace_shape is not None:
         workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
