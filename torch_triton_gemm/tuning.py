@@ -87,6 +87,8 @@ INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 # tiles' write and re-read cost more than the parallelism gains.
 MIN_K_STEPS_PER_SPLIT = 4
 MAX_SPLIT_K = 64
+# Split-K partials up to this size stay in L2 (50 MB on an H100), so they cost little traffic.
+L2_RESIDENT_BYTES = 16 << 20
 # A shape is "deep" when K is this many times its larger output side: few output tiles, long K
 # loops, so larger tiles (more reuse per loaded byte) and K splits to fill the SMs win.
 DEEP_K_RATIO = 4
@@ -127,14 +129,33 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return -(-k // k_per_split), k_per_split
 
 
-def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
-    """K splits that bring the work units (tiles x splits) to about one wave of the SMs when
-    the output alone has too few tiles for that (under 70% of the SMs busy)."""
+def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
+               element_size: int = 2) -> int:
+    """K splits for an output with too few tiles to keep the SMs busy (under half of them).
+
+    Work units (tiles x splits) run in waves of num_sms; the last wave's idle SMs are wasted, so
+    the split is the smallest that fills at least 90% of its waves (or the best filling one).
+    Each split writes and re-reads an fp32 partial of C: unless the partials stay in L2, splits
+    that would add more than a quarter of the operands' bytes are not taken.
+    """
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
-    if tiles >= 0.7 * num_sms:
+    if tiles >= 0.5 * num_sms:
         return 1
     most = min(MAX_SPLIT_K, -(-k // tile.block_k) // MIN_K_STEPS_PER_SPLIT)
-    return max(1, min(most, -(-int(0.9 * num_sms) // tiles)))
+    operand_bytes = (m * k + k * n) * element_size
+    best, best_fill = 1, 0.0
+    for split in range(1, most + 1):
+        partial_bytes = split * m * n * 4
+        if split > 1 and partial_bytes > L2_RESIDENT_BYTES and 2 * partial_bytes > (
+                0.25 * operand_bytes):
+            break
+        units = tiles * split
+        fill = units / (-(-units // num_sms) * num_sms)
+        if fill >= 0.9:
+            return split
+        if fill > best_fill:
+            best, best_fill = split, fill
+    return best
 
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
@@ -144,7 +165,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
 
     - M <= 32 (decode, small batches): memory-bound on B; 16- or 32-row tiles on the portable
       kernel (it streamed B faster than TMA there), K split until about one SM wave is busy;
-    - M <= 128: 64x64 tiles with deep K steps, K split likewise;
+    - M <= 128: 64- or 128-row tiles (B read once), 64 wide, deep K steps, K split likewise;
     - operands TMA cannot describe (odd leading dimensions): 128x128 tiles, 5 stages, and a
       K split when the tiles leave SMs idle;
     - deep K (K >= 4 x max(M, N)): 128x128 tiles (64x64 when even those are very few), K split;
@@ -164,7 +185,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     elif m <= 32:
         tile = TileConfig(32, 64, 128, 4, 4, 4)
     elif m <= 128:
-        tile = TileConfig(64, 64, 128, 4, 4, 4)
+        # Still bound by B's bytes: one tile row covers all of M, so B is read once.
+        tile = TileConfig(64 if m <= 64 else 128, 64, 128, 4, 4, 4)
     elif not tma:
         tile = TileConfig(128, 128, 64, 8, 8, 5)
     elif k >= DEEP_K_RATIO * max(m, n):
@@ -187,7 +209,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     if tma:
         smem -= tma_epilogue_bytes(tile, out_size)
     tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size, smem)
-    split = _split_for(m, n, k, tile, num_sms)
+    split = _split_for(m, n, k, tile, num_sms, element_size)
     if tma:
         return MMPlan("tma", tile, split, epilogue_subtile=2 if tile.block_n >= 128 else 1)
     return MMPlan("portable", tile, split)
@@ -364,7 +386,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
             continue
         # The TMA kernel also stages a slice of C in shared memory for its store.
         tma_fits = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(tile, 2) <= smem
-        split = _split_for(m, n, k, tile, num_sms)
+        split = _split_for(m, n, k, tile, num_sms, element_size)
         # Memory-bound skinny shapes may gain from more bytes in flight than one wave holds.
         splits = {1, split, 2 * split} if m <= 32 else {1, split}
         for split in sorted(splits):
