@@ -365,8 +365,15 @@ def test_scaled_inputs_follow_torch_scaled_mm_contract(recipe):
     assert scale_a.shape == shape_a and scale_b.shape == shape_b
     if stride_a is not None:
         assert scale_a.stride() == stride_a and scale_b.stride() == stride_b
-    if recipe == "blockwise":
-        # torch runs block scales on recent GPUs only; its shape checks run anywhere.
+    # Dequantized in float64, the inputs reproduce the bench's reference.
+    deq_a = a.double() * (scale_a.double().repeat_interleave(128, 1) if recipe == "blockwise"
+                          else scale_a.double())
+    deq_b = b.double() * (scale_b.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+                          if recipe == "blockwise" else scale_b.double())
+    assert _rel(deq_a @ deq_b, ref) < 1e-6
+    if recipe != "tensorwise":
+        # torch runs row and block scales on recent GPUs only (rowwise on the CPU from torch
+        # 2.12); its shape checks run anywhere.
         mode = FakeTensorMode()
         with mode:
             out = torch._scaled_mm(*(mode.from_tensor(t) for t in (a, b, scale_a, scale_b)),
