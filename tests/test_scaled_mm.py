@@ -212,7 +212,9 @@ def test_any_operand_layout(device):
     a_sliced = big[3:48, 5:165]
     for aa, bb in ((a_col, b), (a_sliced, b.contiguous()), (a_col, b.t().contiguous().t())):
         out = tg.scaled_mm(aa, bb, sa, sb, out_dtype=torch.float32)
-        assert rel_error(out, ref) <= 1e-5
+        # Exact in the interpreter; Hopper's fp8 tensor cores add a K step's products at
+        # reduced precision (about 2^-13 relative) before they reach the fp32 accumulator.
+        assert rel_error(out, ref) <= (1e-5 if tgemm_device.interpreter_enabled() else 1e-3)
 
 
 def test_scale_layouts_any_strides(device):
