@@ -96,21 +96,27 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, a
         lambda: f"tgemm::mm: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if a.dtype in _FP8_DTYPES else a.dtype
-    _check_value(
-        out_dtype in OUT_DTYPES,
-        lambda: f"tgemm::mm: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
+    check_epilogue_args("tgemm::mm", out_dtype, bias, b.shape[1])
     if bias is not None:
-        n = b.shape[1]
-        _check(
-            bias.dim() == 1 and bias.shape[0] == n,
-            lambda: f"tgemm::mm: bias must be 1-D of size N={n} (b's columns), got shape "
-                    f"{tuple(bias.shape)}")
-        _check_value(
-            bias.dtype in OUT_DTYPES,
-            lambda: f"tgemm::mm: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
         _check(bias.device == a.device,
                lambda: f"tgemm::mm: bias is on {bias.device} but a is on {a.device}")
     return out_dtype
+
+
+def check_epilogue_args(op: str, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                        n: int) -> None:
+    """The out dtype and the [N] bias of an op whose epilogue adds bias in fp32 and casts."""
+    _check_value(
+        out_dtype in OUT_DTYPES,
+        lambda: f"{op}: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
+    if bias is not None:
+        _check(
+            bias.dim() == 1 and bias.shape[0] == n,
+            lambda: f"{op}: bias must be 1-D of size N={n} (b's columns), got shape "
+                    f"{tuple(bias.shape)}")
+        _check_value(
+            bias.dtype in OUT_DTYPES,
+            lambda: f"{op}: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
 
 
 def _needs_int64_indexing(shape_and_strides: tuple[tuple[int, ...], ...]) -> bool:

@@ -58,6 +58,7 @@ from .mm import (
     _needs_grad,
     _needs_int64_indexing,
     _plain_eager,
+    check_epilogue_args,
     launch_mm,
 )
 
@@ -213,19 +214,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         recipe = _microscaling_recipe(a, b, scale_a, scale_b, k_a)
     if out_dtype is None:
         out_dtype = torch.bfloat16
-    _check_value(
-        out_dtype in OUT_DTYPES,
-        lambda: f"tgemm::scaled_mm: out_dtype {out_dtype} is not supported; choose one of "
-                f"{OUT_DTYPES}")
-    if bias is not None:
-        n = b.shape[1]
-        _check(
-            bias.dim() == 1 and bias.shape[0] == n,
-            lambda: f"tgemm::scaled_mm: bias must be 1-D of size N={n} (b's columns), got shape "
-                    f"{_shape(bias)}")
-        _check_value(
-            bias.dtype in BIAS_DTYPES,
-            lambda: f"tgemm::scaled_mm: bias has dtype {bias.dtype}; supported: {BIAS_DTYPES}")
+    check_epilogue_args("tgemm::scaled_mm", out_dtype, bias, b.shape[1])
     return out_dtype, recipe
 
 
