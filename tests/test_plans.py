@@ -299,3 +299,14 @@ def test_tma_allocator_reaches_threads_that_never_set_one():
     thread.start()
     thread.join()
     assert seen == [tgemm_device._allocate_scratch]
+
+
+def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones():
+    large = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 128, 8, 8, 3), 1, False, 2)
+    skinny = tuning.MMPlan("portable", tuning.TileConfig(16, 128, 256, 1, 4, 4), 4)
+    assert tuning.scaled_plan(skinny, "block", False).tile.block_k == 128
+    assert tuning.scaled_plan(large, "block", False) == large
+    deep = tuning.scaled_plan(large, "outer", False).tile
+    assert (deep.block_m, deep.block_n, deep.block_k) == (128, 128, 256)
+    assert tuning.scaled_plan(large, "outer", True) == large
+    assert tuning.scaled_plan(skinny, "outer", False) == skinny

@@ -329,9 +329,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
-        if scales is not None and scales.mode == "block" and plan.tile.block_k > 128:
-            # A K step must stay inside one 128-wide scale block.
-            plan = dataclasses.replace(plan, tile=dataclasses.replace(plan.tile, block_k=128))
+        if scales is not None:
+            plan = tuning.scaled_plan(plan, scales.mode, scales.fast_accum)
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
     else:
         # Symbolic sizes (torch.compile with dynamic shapes): one plan for every size, so that
