@@ -273,7 +273,8 @@ class GemmScales(NamedTuple):
     fast_accum: bool = False
 
 
-_NO_SCALES = (None, None, (0, 0, 0, 0), ("none", 1, 1, False))
+# Scale strides and (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM) of an unscaled GEMM.
+_NO_SCALES = ((0, 0, 0, 0), ("none", 1, 1, False))
 
 
 class PreparedLaunch(NamedTuple):
@@ -341,7 +342,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                                       (M, N, stride_cm, stride_cn), (split_k * M, N, N, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
     if scales is None:
-        scale_strides, scaling = _NO_SCALES[2:]
+        scale_strides, scaling = _NO_SCALES
     else:
         scale_strides = scales.strides
         scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
