@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import pathlib
 import re
+import sys
 import threading
 from collections.abc import Callable
 
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tg_device
-from torch_triton_gemm.override import BMM_LOOP_MAX_BATCH, GemmOverride
+from torch_triton_gemm.override import FAMILIES, GemmOverride
 
 
 def _routing_device() -> str | None:
@@ -43,8 +44,9 @@ requires_tgemm = pytest.mark.skipif(
 requires_cuda = pytest.mark.skipif(DEVICE != "cuda",
                                    reason="needs a CUDA GPU with compiled Triton kernels")
 
-# tgemm's mm kernels as they appear in profiler traces and Inductor's code.
+# tgemm's mm and grouped kernels as they appear in profiler traces and Inductor's code.
 TGEMM_KERNEL = re.compile(r"\bmm_(tma_)?kernel\b")
+TGEMM_GROUPED_KERNEL = re.compile(r"grouped_mm\w*kernel")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -66,20 +68,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class TgemmCalls(TorchDispatchMode):
-    """Counts tgemm::mm calls below autograd, so calls made by backward formulas count too."""
+    """Counts tgemm op calls below autograd, so calls made by backward formulas count too: ``n``
+    all of them, ``ops`` per op name ("mm", "grouped_mm", "scaled_mm")."""
 
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.tgemm.mm.default:
+        if func.namespace == "tgemm":
             self.n += 1
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
 def routed_counts(**counts: int) -> dict[str, int]:
-    return {"mm": 0, "addmm": 0, "bmm": 0, "fallback": 0, **counts}
+    return {**dict.fromkeys(FAMILIES, 0), "fallback": 0, **counts}
 
 
 # --- what is routed: forward against float64 -----------------------------------------------------
@@ -94,7 +100,13 @@ ROUTED_CASES: dict[str, tuple[str, int, Callable[..., torch.Tensor], list[tuple[
     "F.linear+bias 3-D": ("addmm", 1, F.linear, [(2, 5, 24), (40, 24), (40,)]),
     "@ 2-D": ("mm", 1, lambda a, b: a @ b, [(10, 24), (24, 40)]),
     "@ 3-D x 2-D": ("mm", 1, lambda a, b: a @ b, [(2, 5, 24), (24, 40)]),
-    "@ 3-D x 3-D": ("bmm", 3, lambda a, b: a @ b, [(3, 5, 24), (3, 24, 40)]),
+    "@ 3-D x 3-D": ("bmm", 1, lambda a, b: a @ b, [(3, 5, 24), (3, 24, 40)]),
+    "@ 4-D x 4-D [B,H,T,D] @ [B,H,D,T]": (
+        "bmm", 1, lambda a, b: a @ b, [(2, 3, 5, 8), (2, 3, 8, 5)]),
+    "@ [1,M,K] x [B,K,N]": ("bmm", 1, lambda a, b: a @ b, [(1, 5, 24), (3, 24, 40)]),
+    "@ [B,1,M,K] x [H,K,N]": ("bmm", 1, torch.matmul, [(2, 1, 5, 24), (3, 24, 40)]),
+    "@ 2-D x 3-D": ("bmm", 1, lambda a, b: a @ b, [(5, 24), (3, 24, 40)]),
+    "@ 4-D x [1,K,N], shared rhs": ("bmm", 1, lambda a, b: a @ b, [(2, 3, 5, 24), (1, 24, 40)]),
     "torch.matmul": ("mm", 1, torch.matmul, [(10, 24), (24, 40)]),
     "Tensor.matmul 4-D x 2-D": ("mm", 1, torch.Tensor.matmul, [(2, 2, 3, 24), (24, 40)]),
     "__rmatmul__": ("mm", 1, lambda a, b: b.__rmatmul__(a), [(10, 24), (24, 40)]),
@@ -104,9 +116,8 @@ ROUTED_CASES: dict[str, tuple[str, int, Callable[..., torch.Tensor], list[tuple[
     "torch.addmm [1, N]": ("addmm", 1, torch.addmm, [(1, 40), (10, 24), (24, 40)]),
     "Tensor.addmm beta=alpha=1": (
         "addmm", 1, lambda c, a, b: c.addmm(a, b, beta=1, alpha=1), [(40,), (10, 24), (24, 40)]),
-    "torch.bmm": ("bmm", 3, torch.bmm, [(3, 5, 24), (3, 24, 40)]),
-    "Tensor.bmm": ("bmm", BMM_LOOP_MAX_BATCH, torch.Tensor.bmm,
-                   [(BMM_LOOP_MAX_BATCH, 5, 24), (BMM_LOOP_MAX_BATCH, 24, 40)]),
+    "torch.bmm": ("bmm", 1, torch.bmm, [(3, 5, 24), (3, 24, 40)]),
+    "Tensor.bmm": ("bmm", 1, torch.Tensor.bmm, [(12, 5, 24), (12, 24, 40)]),
     "bmm batch 1": ("bmm", 1, torch.bmm, [(1, 5, 24), (1, 24, 40)]),
     "bmm shared rhs, one call": ("bmm", 1, _shared_rhs_bmm, [(12, 5, 24), (24, 40)]),
     "transposed operands": ("mm", 1, lambda a, b: a.t() @ b.t(), [(24, 10), (40, 24)]),
@@ -204,10 +215,10 @@ def _fallthrough_cases() -> dict[str, Callable[[], tuple[Callable[..., torch.Ten
         "vector @ matrix": lambda: (torch.matmul, (randn(16), randn(16, 8))),
         "matrix @ vector": lambda: (torch.matmul, (randn(8, 16), randn(16))),
         "F.linear 1-D input": lambda: (F.linear, (randn(16), randn(8, 16))),
-        "2-D @ 3-D broadcast": lambda: (torch.matmul, (randn(8, 16), randn(2, 16, 8))),
-        "4-D @ 4-D": lambda: (torch.matmul, (randn(2, 2, 8, 16), randn(2, 2, 16, 8))),
-        "bmm batch > loop limit": lambda: (
-            torch.bmm, (randn(BMM_LOOP_MAX_BATCH + 1, 4, 8), randn(BMM_LOOP_MAX_BATCH + 1, 8, 4))),
+        "bmm empty batch": lambda: (torch.bmm, (randn(0, 4, 8), randn(0, 8, 4))),
+        "matmul empty batch": lambda: (torch.matmul, (randn(2, 0, 4, 8), randn(1, 8, 4))),
+        "float64 4-D": lambda: (torch.matmul, (randn(2, 2, 4, 8, dtype=torch.float64),
+                                               randn(2, 8, 4, dtype=torch.float64))),
         "meta tensors": lambda: (torch.mm, (randn(8, 16, device="meta"),
                                             randn(16, 8, device="meta"))),
     }
@@ -287,6 +298,235 @@ def test_log(caplog):
         (logging.INFO, "Tensor.matmul([8, 16] torch.float64, [16, 8] torch.float64) stays with "
                        "PyTorch: dtype is not float16, bfloat16 or float32"),
     ]
+
+
+# --- batched products of any rank: one launch, gradients against float64 -------------------------
+
+BATCHED_GRAD_SHAPES = {
+    "bmm": ((3, 5, 8), (3, 8, 6)),
+    "[B,H,T,D] @ [B,H,D,T]": ((2, 3, 5, 8), (2, 3, 8, 5)),
+    "[1,M,K] @ [B,K,N]": ((1, 5, 8), (3, 8, 6)),
+    "[B,1,M,K] @ [H,K,N]": ((2, 1, 5, 8), (3, 8, 6)),
+    "[M,K] @ [B,K,N]": ((5, 8), (3, 8, 6)),
+    "[B,H,M,K] @ [1,K,N] shared": ((2, 3, 5, 8), (1, 8, 6)),
+}
+
+
+@requires_tgemm
+@pytest.mark.parametrize("case", BATCHED_GRAD_SHAPES)
+def test_batched_gradients_match_float64(case, highest_fp32):
+    shape_a, shape_b = BATCHED_GRAD_SHAPES[case]
+    a, b = randn(*shape_a, requires_grad=True), randn(*shape_b, requires_grad=True)
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    ref = a64 @ b64
+    grad_out = torch.randn_like(ref)
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = a @ b
+    assert ov.counts == routed_counts(bmm=1)
+    shared = case.endswith("shared")
+    assert launched.ops == ({"mm": 1} if shared else {"grouped_mm": 1})
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    grads = torch.autograd.grad(out, (a, b), grad_out.float())
+    expected = torch.autograd.grad(ref, (a64, b64), grad_out)
+    for grad, want in zip(grads, expected):
+        assert grad.shape == want.shape
+        assert rel_err(grad, want) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+def test_batched_flatten_copies_only_when_forced(monkeypatch, highest_fp32):
+    # b [B, H, K, N] flattens to [B * H, K, N] as a view; a [B, 1, M, K] broadcast over H cannot
+    # merge its batch strides, so only a is copied (by reshape).
+    module = sys.modules["torch_triton_gemm.override"]
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = module._tgemm_grouped
+
+    def spy(a3: torch.Tensor, b3: torch.Tensor, *rest) -> torch.Tensor:
+        seen.append((a3, b3))
+        return real(a3, b3, *rest)
+
+    monkeypatch.setattr(module, "_tgemm_grouped", spy)
+    a, b = randn(2, 1, 5, 8), randn(2, 3, 8, 6)
+    with tg.override():
+        out = a @ b
+    (a3, b3), = seen
+    assert b3.shape == (6, 8, 6) and b3.data_ptr() == b.data_ptr()
+    assert a3.shape == (6, 5, 8) and a3.data_ptr() != a.data_ptr()
+    assert rel_err(out, a.double() @ b.double()) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+def test_batch_dims_that_do_not_broadcast_fall_through_to_aten_error():
+    a, b = randn(2, 4, 8), randn(3, 8, 4)
+    with pytest.raises(RuntimeError) as plain_error:
+        torch.matmul(a, b)
+    with tg.override() as ov, pytest.raises(RuntimeError) as routed_error:
+        torch.matmul(a, b)
+    assert str(routed_error.value) == str(plain_error.value)
+    assert ov.counts == routed_counts(fallback=1)
+
+
+# --- torch._grouped_mm -------------------------------------------------------------------------
+
+def _grouped_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """torch._grouped_mm's contract in float64, one group at a time."""
+    a, b = a.double(), b.double()
+    ends = [] if offs is None else offs.tolist()
+    starts = [0, *ends[:-1]]
+    if a.dim() == 3 and b.dim() == 3:
+        out = a @ b
+        return out if bias is None else out + bias.double()[:, None, :]
+    if a.dim() == 2 and b.dim() == 3:
+        out = torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])
+        rows = torch.cat([bias.double()[g].expand(e - s, -1)
+                          for g, (s, e) in enumerate(zip(starts, ends))]) if bias is not None else 0
+        return out + rows
+    if a.dim() == 3 and b.dim() == 2:
+        return torch.cat([a[g] @ b[:, s:e] for g, (s, e) in enumerate(zip(starts, ends))], dim=1)
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+
+
+GROUPED_CASES = {
+    # name -> (a shape, b shape, offs, bias shape)
+    "3-D x 3-D": ((3, 5, 8), (3, 8, 6), None, None),
+    "3-D x 3-D bias": ((3, 5, 8), (3, 8, 6), None, (3, 6)),
+    "2-D x 3-D (MoE)": ((11, 8), (3, 8, 6), [4, 4, 11], None),
+    "2-D x 3-D bias": ((11, 8), (3, 8, 6), [2, 7, 11], (3, 6)),
+    "3-D x 2-D": ((3, 5, 8), (8, 10), [3, 7, 10], None),
+    "2-D x 2-D (weight grad)": ((5, 12), (12, 6), [5, 5, 12], None),
+}
+
+
+def _grouped_operands(case: str, dtype: torch.dtype = torch.float32,
+                      requires_grad: bool = False) -> tuple:
+    shape_a, shape_b, offs, bias = GROUPED_CASES[case]
+    a = randn(*shape_a, dtype=dtype, requires_grad=requires_grad)
+    b = randn(*shape_b, dtype=dtype, requires_grad=requires_grad)
+    offs = None if offs is None else torch.tensor(offs, dtype=torch.int32, device=DEVICE)
+    bias = None if bias is None else randn(*bias, dtype=dtype, requires_grad=requires_grad)
+    return a, b, offs, bias
+
+
+@requires_tgemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_grouped_mm_routed(case, dtype, highest_fp32):
+    a, b, offs, bias = _grouped_operands(case, dtype)
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = torch._grouped_mm(a, b, offs, bias=bias)
+    assert ov.counts == routed_counts(grouped=1)
+    assert launched.ops == {"grouped_mm": 1}
+    assert out.dtype == dtype
+    assert rel_err(out, _grouped_reference(a, b, offs, bias)) <= TOLERANCE[dtype]
+
+
+@requires_tgemm
+def test_grouped_mm_out_dtype_and_gradients(highest_fp32):
+    a, b, offs, bias = _grouped_operands("2-D x 3-D bias", requires_grad=True)
+    with tg.override() as ov:
+        out = torch._grouped_mm(a, b, offs=offs, bias=bias, out_dtype=torch.float32)
+    assert ov.counts == routed_counts(grouped=1)
+    leaves = [t.detach().double().requires_grad_() for t in (a, b, bias)]
+    ref = _grouped_reference(leaves[0], leaves[1], offs, leaves[2])
+    assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+    grad_out = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (a, b, bias), grad_out.float())
+    for grad, want in zip(grads, torch.autograd.grad(ref, leaves, grad_out)):
+        assert rel_err(grad, want) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+def test_grouped_mm_falls_through():
+    a, b = randn(2, 16, 16), randn(2, 16, 16)
+    cases = {  # what tgemm rejects; torch raises for float64 as well
+        "float64": lambda: torch._grouped_mm(a.double(), b.double()),
+        "meta": lambda: torch._grouped_mm(a.to("meta"), b.to("meta")),
+    }
+    for name, fn in cases.items():
+        with tg.override(log=True) as ov, TgemmCalls() as launched:
+            try:
+                fn()
+            except RuntimeError:
+                pass
+        assert ov.counts == routed_counts(fallback=1), name
+        assert launched.n == 0, name
+    with torch.autocast(a.device.type, dtype=torch.bfloat16), tg.override() as ov:
+        out = torch._grouped_mm(a, b)
+    assert ov.counts == routed_counts(fallback=1)
+    assert torch.equal(out, torch._grouped_mm(a, b))
+
+
+@requires_tgemm
+def test_ops_selects_grouped():
+    a, b = randn(2, 4, 8), randn(2, 8, 4)
+    with tg.override(ops=("mm", "bmm")) as ov:
+        torch._grouped_mm(a, b)
+        a @ b
+    assert ov.counts == routed_counts(bmm=1, fallback=1)
+
+
+# --- torch._scaled_mm --------------------------------------------------------------------------
+
+def _scaled_operands(recipe: str, m: int = 12, n: int = 10, k: int = 32) -> tuple:
+    x, w = randn(m, k), randn(n, k)
+    xq, xs = tg.quantize(x, recipe, "a")
+    wq, ws = tg.quantize(w.t(), recipe, "b")
+    ref = tg.dequantize(xq, xs, recipe, "a") @ tg.dequantize(wq, ws, recipe, "b")
+    return xq, wq, xs, ws, ref
+
+
+@requires_tgemm
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_mm_routed(recipe, out_dtype):
+    xq, wq, xs, ws, ref = _scaled_operands(recipe)
+    bias = randn(wq.shape[1], dtype=torch.bfloat16)
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = torch._scaled_mm(xq, wq, xs, ws, bias, None, out_dtype, use_fast_accum=True)
+        out_kw = torch._scaled_mm(xq, wq, scale_a=xs, scale_b=ws, out_dtype=out_dtype)
+    assert ov.counts == routed_counts(scaled=2)
+    assert launched.ops == {"scaled_mm": 2}
+    assert out.dtype == out_kw.dtype == out_dtype
+    assert rel_err(out, ref + bias.double()) <= 1e-2
+    assert rel_err(out_kw, ref) <= 1e-2
+
+
+@requires_tgemm
+def test_scaled_mm_falls_through():
+    xq, wq, xs, ws, _ = _scaled_operands("tensorwise")
+    cases = {
+        "out_dtype default (fp8 out)": lambda: torch._scaled_mm(xq, wq, xs, ws),
+        "scale_result": lambda: torch._scaled_mm(xq, wq, xs, ws, scale_result=xs,
+                                                 out_dtype=torch.bfloat16),
+        "out_dtype float64": lambda: torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.float64),
+        "scale requires grad": lambda: torch._scaled_mm(
+            xq, wq, xs.clone().requires_grad_(), ws, out_dtype=torch.float32),
+    }
+    for name, fn in cases.items():
+        try:
+            plain, plain_error = fn(), None
+        except RuntimeError as error:
+            plain, plain_error = None, str(error)
+        with tg.override() as ov, TgemmCalls() as launched:
+            try:
+                out, error = fn(), None
+            except RuntimeError as raised:
+                out, error = None, str(raised)
+        assert ov.counts == routed_counts(fallback=1), name
+        assert launched.n == 0, name
+        assert error == plain_error, name
+        if plain is not None:
+            assert out.dtype == plain.dtype and torch.equal(out.float(), plain.float()), name
+
+
+@requires_tgemm
+def test_ops_selects_scaled():
+    xq, wq, xs, ws, _ = _scaled_operands("tensorwise")
+    with tg.override(ops=("grouped",)) as ov:
+        torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.bfloat16)
+    assert ov.counts == routed_counts(fallback=1)
 
 
 # --- scope: exceptions, nesting, decorator, threads ----------------------------------------------
@@ -379,6 +619,41 @@ def test_override_is_per_thread():
     assert ov.counts == routed_counts(mm=1)
 
 
+@requires_tgemm
+def test_counts_are_exact_with_threads():
+    # One override object entered by several threads at once: counts must add up. Calls that
+    # fall through (float64) are cheap, so each thread makes many; a tiny switch interval makes
+    # the threads interleave inside the increments.
+    ov = tg.override()
+    a, b = randn(4, 8), randn(8, 4)
+    a64, b64 = a.double(), b.double()
+    threads, calls = 8, 300
+    barrier = threading.Barrier(threads)
+    # Triton's interpreter patches module globals during a launch, so CPU launches from several
+    # threads would collide: routed calls take turns; the counting still races in the rest.
+    launch_lock = threading.Lock()
+
+    def work() -> None:
+        with ov:
+            barrier.wait()
+            with launch_lock:
+                a @ b
+            for _ in range(calls):
+                a64 @ b64
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ov.counts == routed_counts(mm=threads, fallback=threads * calls)
+
+
 # --- torch.compile -----------------------------------------------------------------------------
 
 @requires_tgemm
@@ -430,7 +705,7 @@ class _TwoLayers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.up(x))
-        return self.down(h) + (h @ h.transpose(1, 2)).mean()  # bmm: a loop of 2
+        return self.down(h) + (h @ h.transpose(1, 2)).mean()  # bmm: one grouped_mm
 
 
 @requires_tgemm
@@ -466,14 +741,15 @@ def test_compile_backward_graph_uses_tgemm(fresh_dynamo):
     def tgemm_calls(code: str) -> int:
         # Under the interpreter tgemm::mm is an opaque op; with compiled Triton AOTAutograd traces
         # into it, and each launch appears as a functional Triton kernel wrapper.
-        return code.count("tgemm.mm") + code.count("triton_kernel_wrapper_functional(")
+        return (len(re.findall(r"tgemm\.(mm|grouped_mm)\b", code))
+                + code.count("triton_kernel_wrapper_functional("))
 
     backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
     model = _TwoLayers().to(DEVICE)
     x = randn(2, 5, 24, requires_grad=True)
     with tg.override():
         torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
-    assert tgemm_calls(graphs["forward"]) == 4
+    assert tgemm_calls(graphs["forward"]) == 3
     assert tgemm_calls(graphs["backward"]) > 0
     for code in graphs.values():
         assert "aten.mm" not in code and "aten.addmm" not in code and "aten.bmm" not in code

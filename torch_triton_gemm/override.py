@@ -1,14 +1,15 @@
-"""Drop-in override: PyTorch's matrix products run on tgemm::mm inside a context.
+"""Drop-in override: PyTorch's matrix products run on tgemm's ops inside a context.
 
 ``with torch_triton_gemm.override():`` sends the matmul entry points that models call —
 ``nn.Linear`` / ``F.linear``, ``torch.mm``, ``torch.addmm``, ``torch.matmul`` / ``@`` and
-``torch.bmm``, as functions and as Tensor methods — to ``torch.ops.tgemm.mm``. A call that the op
-cannot serve exactly (dtype, device, broadcasting form, ``out=``, below ``min_size``) falls
-through to PyTorch unchanged.
+``torch.bmm``, as functions and as Tensor methods — to ``torch.ops.tgemm.mm`` (batched products
+to ``tgemm.grouped_mm``), and ``torch._grouped_mm`` / ``torch._scaled_mm`` to
+``tgemm.grouped_mm`` / ``tgemm.scaled_mm``. A call that the ops cannot serve exactly (dtype,
+device, ``out=``, arguments they reject, below ``min_size``) falls through to PyTorch unchanged.
 
 How: the override is a ``TorchFunctionMode``, so it sees calls at the Python API, above autograd.
-A routed call becomes tgemm::mm calls, whose autograd formula is tgemm::mm again, so the backward
-pass runs on tgemm too. torch.compile traces through the mode (Dynamo inlines
+A routed call becomes tgemm op calls, whose autograd formulas are tgemm ops again, so the
+backward pass runs on tgemm too. torch.compile traces through the mode (Dynamo inlines
 ``__torch_function__`` and guards on the mode stack), so graphs compiled inside the context hold
 tgemm ops and graphs compiled outside do not.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -28,9 +30,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import device as _device
+from .ops import grouped_mm as _grouped_mm_module
+from .ops import scaled_mm as _scaled_mm_module
+from .ops.grouped_mm import grouped_mm as _tgemm_grouped
 from .ops.mm import mm as _tgemm
+from .ops.scaled_mm import scaled_mm as _tgemm_scaled
 
-FAMILIES = ("mm", "addmm", "bmm")
+FAMILIES = ("mm", "addmm", "bmm", "grouped", "scaled")
 
 _LOG = logging.getLogger("torch_triton_gemm.override")
 
@@ -46,10 +52,6 @@ _KERNEL_DEVICE_TYPES = frozenset(
 # Tensor subclasses with their own __torch_function__ (DTensor, quantized weights) keep their
 # semantics: only plain tensors and parameters are routed.
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-# bmm on the current 2-D op costs one launch per batch entry, so only short batches are looped;
-# larger ones stay with PyTorch until a grouped tgemm op takes them over.
-BMM_LOOP_MAX_BATCH = 8
 
 
 # --- operand checks -----------------------------------------------------------------------------
@@ -86,9 +88,10 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 # --- planners: route a call, or say why not ------------------------------------------------------
 
 class _Plan(NamedTuple):
-    family: str  # the ``ops`` name that must be selected: "mm", "addmm" or "bmm"
+    family: str  # the ``ops`` name that must be selected, one of FAMILIES
     size: int  # multiply-adds, M * N * K (times the batch), compared with ``min_size``
     run: Callable[[], torch.Tensor]
+    op: str = "tgemm::mm"  # the op that runs it, for the log
 
 
 def _bind(args: tuple, kwargs: dict, names: tuple[str, ...],
@@ -160,22 +163,41 @@ def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
 
 
 def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan | str:
-    """[B, M, K] @ [B, K, N] as one tgemm call when b is shared, else a short loop."""
-    batch, m, k = a.shape
-    n = b.shape[2]
-    if batch == 0:
-        return "empty batch"
-    if batch == 1 or b.stride(0) == 0:
+    """[..., M, K] @ [..., K, N] with broadcast batch dims, at least one operand 3-D or more.
+
+    The broadcast batch is flattened into one dimension (``expand`` + ``reshape``, which copies
+    only an operand whose expanded batch dims cannot merge into one stride) and multiplied in
+    one tgemm::grouped_mm launch (its 3-D x 3-D form), or in one tgemm::mm launch with the batch
+    folded into M when b is the same matrix for every batch entry.
+    """
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    if b.shape[-2] != k:
+        return "sizes do not match (PyTorch raises)"
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        return "batch dims do not broadcast (PyTorch raises)"
+    count = math.prod(batch)
+    if count == 0 or m * n * k == 0:
+        return "empty batch or matrix"
+
+    b_expanded = b.expand(*batch, k, n)
+    if all(size == 1 or stride == 0
+           for size, stride in zip(batch, b_expanded.stride()[:-2], strict=True)):
         # One B matrix for the whole batch (a single matrix or an expand()ed one): the batch
-        # folds into M and a single launch does it all.
-        return _Plan("bmm", batch * m * n * k,
-                     lambda: _tgemm(_cast(a, dtype).reshape(batch * m, k),
-                                    _cast(b[0], dtype)).reshape(batch, m, n))
-    if batch > BMM_LOOP_MAX_BATCH:
-        return "batch too large for a loop of tgemm::mm (left to cuBLAS until a grouped op)"
-    return _Plan("bmm", batch * m * n * k,
-                 lambda: torch.stack([_tgemm(_cast(a[i], dtype), _cast(b[i], dtype))
-                                      for i in range(batch)]))
+        # folds into M.
+        b_matrix = b_expanded[(0,) * len(batch)]
+        return _Plan("bmm", count * m * n * k, lambda: _tgemm(
+            _cast(a, dtype).expand(*batch, m, k).reshape(count * m, k),
+            _cast(b_matrix, dtype)).reshape(*batch, m, n))
+
+    def run() -> torch.Tensor:
+        a3 = _cast(a, dtype).expand(*batch, m, k).reshape(count, m, k)
+        b3 = _cast(b, dtype).expand(*batch, k, n).reshape(count, k, n)
+        return _tgemm_grouped(a3, b3).reshape(*batch, m, n)
+
+    return _Plan("bmm", count * m * n * k, run, "tgemm::grouped_mm")
 
 
 def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
@@ -229,11 +251,13 @@ def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
     if isinstance(operands, str):
         return operands
     a, b, dtype = operands
-    if b.dim() == 2 and a.dim() >= 2 and a.shape[-1] == b.shape[0]:
+    if a.dim() < 2 or b.dim() < 2:
+        return "1-D operand"
+    if b.dim() == 2:
+        if a.shape[-1] != b.shape[0]:
+            return "sizes do not match (PyTorch raises)"
         return _folded_plan("mm", a, b, None, dtype)
-    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]:
-        return _batched_plan(a, b, dtype)
-    return "1-D operand or broadcast batch form"
+    return _batched_plan(a, b, dtype)
 
 
 def _plan_rmatmul(args: tuple, kwargs: dict) -> _Plan | str:
@@ -254,6 +278,86 @@ def _plan_bmm(args: tuple, kwargs: dict) -> _Plan | str:
     return _batched_plan(a, b, dtype)
 
 
+def _check_plain(tensors: tuple[Any, ...]) -> str | None:
+    """Why tgemm cannot take these operands as they are (None where it can): the type and
+    device checks that the planners above make in ``_compute_dtype``. The first two are
+    required, the others may be None."""
+    if tensors[0] is None or tensors[1] is None:
+        return "an operand is missing"
+    present = [t for t in tensors if t is not None]
+    for t in present:
+        if not isinstance(t, torch.Tensor):
+            return "an operand is not a tensor"
+        if type(t) not in _PLAIN_TENSOR_TYPES:
+            return "an operand is a tensor subclass"
+    if present[0].device.type not in _KERNEL_DEVICE_TYPES:
+        return "tgemm does not run on this device"
+    return None
+
+
+def _rejected(check: Callable[[], object]) -> str | None:
+    """Run one of the ops' own argument checks: the message of what it rejects, else None."""
+    try:
+        check()
+    except (RuntimeError, ValueError) as error:
+        return f"tgemm rejects the arguments: {error}"
+    return None
+
+
+def _plan_grouped(args: tuple, kwargs: dict) -> _Plan | str:
+    bound = _bind(args, kwargs, ("input", "mat2", "offs", "bias", "out_dtype"))
+    if isinstance(bound, str):
+        return bound
+    a, b = bound.get("input"), bound.get("mat2")
+    offs, bias, out_dtype = bound.get("offs"), bound.get("bias"), bound.get("out_dtype")
+    reason = _check_plain((a, b, offs, bias))
+    if reason is not None:
+        return reason
+    if torch.is_autocast_enabled(a.device.type):
+        return "autocast is enabled (its rule for torch._grouped_mm stays with PyTorch)"
+    reason = _rejected(lambda: _grouped_mm_module._check_inputs(a, b, offs, bias, out_dtype,
+                                                                False))
+    if reason is not None:
+        return reason
+    k = a.shape[-1]
+    # Multiply-adds: every row of a meets N columns of b (K deep), except 3-D a x 2-D b, whose
+    # G matrices of M rows share out's N columns between them.
+    size = (a.shape[1] * k * b.shape[1] if (a.dim(), b.dim()) == (3, 2)
+            else a.numel() * b.shape[-1])
+    return _Plan("grouped", size, lambda: _tgemm_grouped(a, b, offs, bias, out_dtype),
+                 "tgemm::grouped_mm")
+
+
+def _plan_scaled(args: tuple, kwargs: dict) -> _Plan | str:
+    names = ("input", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
+             "use_fast_accum")
+    bound = _bind(args, kwargs, names)
+    if isinstance(bound, str):
+        return bound
+    a, b, scale_a, scale_b = (bound.get(name) for name in names[:4])
+    bias, out_dtype = bound.get("bias"), bound.get("out_dtype")
+    if bound.get("scale_result") is not None:
+        return "scale_result is given (tgemm does not scale the output)"
+    if out_dtype is None:
+        return "out_dtype is not given: PyTorch then returns the fp8 input dtype, which tgemm " \
+               "does not produce"
+    reason = _check_plain((a, b, scale_a, scale_b, bias))
+    if reason is not None:
+        return reason
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (a, b, scale_a, scale_b)):
+        return "a quantized operand or scale requires grad"
+    reason = _rejected(lambda: _scaled_mm_module._check_inputs(a, b, scale_a, scale_b, bias,
+                                                               out_dtype))
+    if reason is not None:
+        return reason
+    # fp4 operands pack two values a byte along K.
+    k = a.shape[1] * (2 if a.dtype == _scaled_mm_module.FP4_DTYPE else 1)
+    use_fast_accum = bool(bound.get("use_fast_accum", False))
+    return _Plan("scaled", a.shape[0] * b.shape[1] * k,
+                 lambda: _tgemm_scaled(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum),
+                 "tgemm::scaled_mm")
+
+
 # Entry point -> (name for the log, planner). ``a @ b`` arrives as Tensor.matmul; __matmul__ is
 # listed too for the Python versions that pass the operator itself.
 _ENTRY_POINTS: dict[Callable, tuple[str, Callable[[tuple, dict], _Plan | str]]] = {
@@ -268,6 +372,8 @@ _ENTRY_POINTS: dict[Callable, tuple[str, Callable[[tuple, dict], _Plan | str]]] 
     torch.Tensor.__rmatmul__: ("@ (reflected)", _plan_rmatmul),
     torch.bmm: ("bmm", _plan_bmm),
     torch.Tensor.bmm: ("Tensor.bmm", _plan_bmm),
+    torch._grouped_mm: ("_grouped_mm", _plan_grouped),
+    torch._scaled_mm: ("_scaled_mm", _plan_scaled),
 }
 
 
@@ -279,7 +385,7 @@ def _describe(args: tuple) -> str:
 # --- the mode -----------------------------------------------------------------------------------
 
 class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
-    """A TorchFunctionMode that routes matrix products to tgemm::mm; made by :func:`override`.
+    """A TorchFunctionMode that routes matrix products to tgemm's ops; made by :func:`override`.
 
     ``__enter__`` and ``__exit__`` are TorchFunctionMode's own: Dynamo supports modes that keep
     them, also across graph breaks inside the context.
@@ -291,6 +397,13 @@ class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
         self.min_size = min_size
         self.log = log
         self.counts: dict[str, int] = dict.fromkeys((*FAMILIES, "fallback"), 0)
+        # Threads share this object (each has its own mode stack); += on a dict entry is a
+        # read-modify-write, so increments take the lock.
+        self._counts_lock = threading.Lock()
+
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self.counts[key] += 1
 
     def __repr__(self) -> str:
         return (f"override(ops={tuple(f for f in FAMILIES if f in self.ops)}, "
@@ -313,14 +426,14 @@ class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
         traced = torch.compiler.is_compiling()
         if isinstance(plan, str):
             if not traced:
-                self.counts["fallback"] += 1
+                self._count("fallback")
                 if self.log:
                     _LOG.info("%s(%s) stays with PyTorch: %s", name, _describe(args), plan)
             return _call_past_overrides(func, args, kwargs)
         if not traced:
-            self.counts[plan.family] += 1
+            self._count(plan.family)
             if self.log:
-                _LOG.debug("%s(%s) -> tgemm::mm [%s]", name, _describe(args), plan.family)
+                _LOG.debug("%s(%s) -> %s [%s]", name, _describe(args), plan.op, plan.family)
         return plan.run()
 
 
@@ -351,7 +464,7 @@ def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
 # --- public API ---------------------------------------------------------------------------------
 
 def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False) -> GemmOverride:
-    """Run PyTorch's matrix products on tgemm::mm inside a ``with`` block or decorated function.
+    """Run PyTorch's matrix products on tgemm inside a ``with`` block or decorated function.
 
     Routed entry points (function and Tensor-method forms):
 
@@ -359,29 +472,38 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
       ``@`` for [M, K] @ [K, N] and [..., K] @ [K, N] (leading dims folded into M).
     - ``"addmm"``: ``torch.addmm`` with beta = alpha = 1 and an input of shape [N] or [1, N], and
       ``F.linear`` / ``nn.Linear`` with bias; the bias add runs in tgemm's epilogue.
-    - ``"bmm"``: ``torch.bmm`` and ``torch.matmul`` / ``@`` for [B, M, K] @ [B, K, N]. One tgemm
-      call when B is 1 or the right operand is shared across the batch (an ``expand``), else one
-      call per batch entry for B <= 8; larger batches stay with PyTorch until a grouped tgemm op
-      takes them over.
+    - ``"bmm"``: ``torch.bmm``, and ``torch.matmul`` / ``@`` for [..., M, K] @ [..., K, N] of
+      any rank with broadcast batch dims ([B, H, T, D] @ [B, H, D, T], [1, M, K] @ [B, K, N],
+      [B, 1, M, K] @ [H, K, N], [M, K] @ [B, K, N]): the batch is flattened into one dimension
+      (``expand`` + ``reshape``, which copies only an operand whose broadcast batch dims cannot
+      share one stride) and runs in one ``tgemm.grouped_mm`` launch; when the right operand is
+      the same matrix for the whole batch, the batch folds into M of one ``tgemm.mm`` launch.
+    - ``"grouped"``: ``torch._grouped_mm`` in all its forms, to ``tgemm.grouped_mm``.
+    - ``"scaled"``: ``torch._scaled_mm`` with an ``out_dtype`` of bfloat16, float16 or float32,
+      to ``tgemm.scaled_mm``.
 
     Everything else falls through to PyTorch unchanged: tensors tgemm cannot run on (CUDA, or
     CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``,
-    beta or alpha other than 1, 1-D operands, broadcast batch forms, tensor subclasses, and
-    products with M * N * K (times the batch) below ``min_size``. Under ``torch.autocast`` the
-    operands are cast to the autocast dtype, as aten does. Gradients of routed calls are computed
-    by tgemm::mm as well.
+    beta or alpha other than 1, 1-D operands, empty batches, tensor subclasses, products with
+    M * N * K (times the batch) below ``min_size``; for ``torch._grouped_mm`` and
+    ``torch._scaled_mm``, arguments the tgemm op rejects, ``_grouped_mm`` under autocast, and
+    ``_scaled_mm`` with ``scale_result``, without ``out_dtype`` (PyTorch then returns the fp8
+    input dtype, which tgemm does not produce) or with a quantized operand or scale that
+    requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
+    the autocast dtype, as aten does. Gradients of routed calls are computed by tgemm as well.
 
     The override is a ``TorchFunctionMode``, and mode stacks are thread-local: only the thread
-    that entered it is routed; other threads' matmuls run as usual. Nested overrides: the
-    innermost decides, and a call it leaves to PyTorch is not routed by an outer one. Leaving the
-    block restores normal behaviour, also when the body raises; an override object may be
-    entered again and nested in itself.
+    that entered it is routed; other threads' matmuls run as usual. One override object may be
+    entered by several threads at once; its ``counts`` then add up the calls of all of them.
+    Nested overrides: the innermost decides, and a call it leaves to PyTorch is not routed by an
+    outer one. Leaving the block restores normal behaviour, also when the body raises; an
+    override object may be entered again and nested in itself.
 
     ``torch.compile`` traces through the override: functions compiled inside it get tgemm ops in
     their graph, and Dynamo's guard on the mode stack recompiles them when called outside.
 
     Args:
-        ops: the families to route, a subset of ``("mm", "addmm", "bmm")``.
+        ops: the families to route, a subset of ``("mm", "addmm", "bmm", "grouped", "scaled")``.
         min_size: products with fewer multiply-adds (M * N * K) stay with PyTorch.
         log: log each decision on the ``torch_triton_gemm.override`` logger: routed calls at
             DEBUG, calls left to PyTorch (with the reason) at INFO.
