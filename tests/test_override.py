@@ -46,7 +46,7 @@ requires_cuda = pytest.mark.skipif(DEVICE != "cuda",
 
 # tgemm's mm and grouped kernels as they appear in profiler traces and Inductor's code.
 TGEMM_KERNEL = re.compile(r"\bmm_(tma_)?kernel\b")
-TGEMM_GROUPED_KERNEL = re.compile(r"grouped_mm\w*kernel")
+TGEMM_GROUPED_KERNEL = re.compile(r"\bgrouped_mm_kernel\b")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
@@ -884,3 +884,53 @@ def test_inductor_code_uses_tgemm_gpu(fresh_dynamo):
     assert not TGEMM_KERNEL.search(outside_code)
     assert "extern_kernels.mm" in outside_code or "extern_kernels.addmm" in outside_code
     assert rel_err(inside, outside) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_attention_shaped_bmm_gpu(compiled, fresh_dynamo):
+    # Attention scores and values: [B, H, T, D] @ [B, H, D, T], then @ [B, H, T, D].
+    q, k, v = (randn(2, 8, 256, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(-2, -1) / 8, dim=-1) @ v
+
+    fn = torch.compile(attention, fullgraph=True) if compiled else attention
+    with tg.override() as ov:
+        fn(q, k, v)  # warm-up: compilation, tuning
+        kernels = _cuda_kernels(lambda: fn(q, k, v))
+        out = fn(q, k, v)
+    assert not _cublas_gemms(kernels), _cublas_gemms(kernels)
+    assert any(TGEMM_GROUPED_KERNEL.search(name) for name in kernels), kernels
+    if not compiled:
+        assert ov.counts["bmm"] == 6
+    ref = attention(q.double(), k.double(), v.double())
+    assert rel_err(out, ref) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_grouped_and_scaled_routed_under_compile_gpu(fresh_dynamo):
+    experts, tokens, hidden, inter = 4, 512, 256, 512
+    x = randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    w = randn(experts, inter, hidden, dtype=torch.bfloat16, device="cuda") / 16
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32, device="cuda")
+    xq, xs = tg.quantize(randn(128, hidden, device="cuda"), "rowwise", "a")
+    wq, ws = tg.quantize(randn(inter, hidden, device="cuda").t(), "rowwise", "b")
+
+    def fn() -> tuple[torch.Tensor, torch.Tensor]:
+        moe = torch._grouped_mm(x, w.transpose(-2, -1), offs)
+        fp8 = torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.bfloat16)
+        return moe, fp8
+
+    plain = fn()
+    compiled = torch.compile(fn, fullgraph=True)
+    with tg.override():
+        routed = compiled()
+        kernels = _cuda_kernels(compiled)
+    assert not _cublas_gemms(kernels), _cublas_gemms(kernels)
+    assert any(TGEMM_GROUPED_KERNEL.search(name) for name in kernels), kernels
+    for out, ref in zip(routed, plain):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert rel_err(out, ref) <= 2e-2
