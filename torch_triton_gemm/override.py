@@ -500,7 +500,10 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     override object may be entered again and nested in itself.
 
     ``torch.compile`` traces through the override: functions compiled inside it get tgemm ops in
-    their graph, and Dynamo's guard on the mode stack recompiles them when called outside.
+    their graph, and Dynamo's guard on the mode stack recompiles them when called outside. The
+    exceptions are ``torch._grouped_mm`` and ``torch._scaled_mm``: Dynamo hands a mode only the
+    functions of ``torch.overrides.get_overridable_functions()``, which leaves out private ones,
+    so compiled code keeps PyTorch's kernels for them.
 
     Args:
         ops: the families to route, a subset of ``("mm", "addmm", "bmm", "grouped", "scaled")``.
