@@ -522,6 +522,27 @@ def test_scaled_mm_falls_through():
 
 
 @requires_tgemm
+def test_grouped_and_scaled_log_and_min_size(caplog):
+    xq, wq, xs, ws, _ = _scaled_operands("tensorwise")  # M * N * K = 12 * 10 * 32
+    a, b = randn(2, 4, 8), randn(2, 8, 4)  # G * M * N * K = 256
+    with caplog.at_level(logging.DEBUG, logger="torch_triton_gemm.override"):
+        with tg.override(log=True, min_size=257) as ov:
+            torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.float32)
+            torch._grouped_mm(a, b)
+            torch._scaled_mm(xq, wq, xs, ws)
+            with pytest.raises(RuntimeError):  # PyTorch rejects it too
+                torch._grouped_mm(a, b, out_dtype=torch.float64)
+    assert ov.counts == routed_counts(scaled=1, fallback=3)
+    messages = [(r.levelno, r.getMessage().split("stays with PyTorch: ")[1])
+                for r in caplog.records if r.levelno == logging.INFO]
+    assert messages[0] == (logging.INFO, "M * N * K is below min_size")
+    assert messages[1][1].startswith("out_dtype is not given")
+    assert messages[2][1].startswith("tgemm rejects the arguments: tgemm::grouped_mm: out_dtype")
+    assert [r.getMessage().split(" -> ")[1] for r in caplog.records
+            if r.levelno == logging.DEBUG] == ["tgemm::scaled_mm [scaled]"]
+
+
+@requires_tgemm
 def test_ops_selects_scaled():
     xq, wq, xs, ws, _ = _scaled_operands("tensorwise")
     with tg.override(ops=("grouped",)) as ov:
