@@ -469,7 +469,8 @@ def test_ops_selects_grouped():
 
 # --- torch._scaled_mm --------------------------------------------------------------------------
 
-def _scaled_operands(recipe: str, m: int = 12, n: int = 10, k: int = 32) -> tuple:
+def _scaled_operands(recipe: str, m: int = 12, n: int = 16, k: int = 32) -> tuple:
+    # N and K multiples of 16: calls that fall through reach cuBLAS's fp8 kernels on a GPU.
     x, w = randn(m, k), randn(n, k)
     xq, xs = tg.quantize(x, recipe, "a")
     wq, ws = tg.quantize(w.t(), recipe, "b")
@@ -523,10 +524,11 @@ def test_scaled_mm_falls_through():
 
 @requires_tgemm
 def test_grouped_and_scaled_log_and_min_size(caplog):
-    xq, wq, xs, ws, _ = _scaled_operands("tensorwise")  # M * N * K = 12 * 10 * 32
-    a, b = randn(2, 4, 8), randn(2, 8, 4)  # G * M * N * K = 256
+    xq, wq, xs, ws, _ = _scaled_operands("tensorwise")  # M * N * K = 12 * 16 * 32
+    # G * M * N * K = 512; bf16 with 16-byte rows, as torch's CUDA grouped GEMM needs.
+    a, b = randn(2, 4, 8, dtype=torch.bfloat16), randn(2, 8, 8, dtype=torch.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="torch_triton_gemm.override"):
-        with tg.override(log=True, min_size=257) as ov:
+        with tg.override(log=True, min_size=513) as ov:
             torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.float32)
             torch._grouped_mm(a, b)
             torch._scaled_mm(xq, wq, xs, ws)
