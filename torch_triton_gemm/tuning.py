@@ -272,13 +272,18 @@ def scaled_plan(plan: MMPlan, mode: str, fast_accum: bool) -> MMPlan:
     return plan
 
 
-def symbolic_mm_plan(element_size: int) -> MMPlan:
-    """The plan for symbolic sizes (torch.compile with dynamic shapes): one for all sizes."""
+def symbolic_tile(element_size: int) -> TileConfig:
+    """The tile for symbolic sizes (torch.compile with dynamic shapes), mm's and grouped_mm's:
+    one for all sizes, so that nothing guards on them."""
     if _device.interpreter_enabled():
-        return MMPlan("portable", INTERPRETER_TILE)
+        return INTERPRETER_TILE
     tile = _for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size)
-    return MMPlan("portable", _fit_shared_memory(tile, element_size,
-                                                 _device.shared_memory_per_block(0)))
+    return _fit_shared_memory(tile, element_size, _device.shared_memory_per_block(0))
+
+
+def symbolic_mm_plan(element_size: int) -> MMPlan:
+    """The plan for symbolic sizes: the portable kernel (any strides) with ``symbolic_tile``."""
+    return MMPlan("portable", symbolic_tile(element_size))
 
 
 def reduce_tile(m: int, n: int, num_sms: int) -> tuple[int, int, int]:
@@ -321,15 +326,22 @@ def force_plan(plan: MMPlan) -> Iterator[None]:
 # --- launch keyword arguments ---------------------------------------------------------------------
 
 @functools.cache
+def tile_meta(tile: TileConfig) -> Mapping[str, Any]:
+    """The meta-parameters every tgemm kernel takes from a tile (block sizes, band height,
+    warps, stages); built once, read-only."""
+    return MappingProxyType({
+        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+        "GROUP_M": tile.group_m, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+    })
+
+
+@functools.cache
 def launch_meta(plan: MMPlan, split_k: int,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False)) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel with ``split_k`` splits and the scaling
     recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM); built once, read-only."""
-    tile = plan.tile
     meta: dict[str, Any] = {
-        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-        "GROUP_M": tile.group_m, "SPLIT_K": split_k,
-        "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+        **tile_meta(plan.tile), "SPLIT_K": split_k,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
         "FAST_ACCUM": scaling[3],
     }
@@ -468,13 +480,12 @@ SCALED_MM_MICRO_TILE = TileConfig(128, 128, 64, 8, 8, 3)
 SCALED_MM_MICRO_SKINNY_TILE = TileConfig(16, 64, 64, 1, 4, 4)
 # tl.dot_scaled on tensor cores (sm_100) wants 128-row tiles and K steps of at least 128.
 SCALED_MM_NATIVE_TILE = TileConfig(128, 256, 128, 8, 8, 3)
-SCALED_MM_INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 
 
 def heuristic_scaled_mm_tile(m: int, n: int, scaling: str) -> TileConfig:
     """The microscaled kernel's tile: one per path (and a skinny one for decode)."""
     if _device.interpreter_enabled():
-        return SCALED_MM_INTERPRETER_TILE
+        return INTERPRETER_TILE  # BLOCK_K 32: a multiple of every scale block
     if scaling == "micro_native":
         return SCALED_MM_NATIVE_TILE
     if type(m) is int and m <= 32:
@@ -522,19 +533,3 @@ def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: boo
                               _device.shared_memory_per_block(0))
 
 
-def symbolic_grouped_tile(element_size: int) -> TileConfig:
-    """The grouped tile for symbolic sizes (torch.compile with dynamic shapes): one for all
-    sizes, so that nothing guards on them."""
-    if _device.interpreter_enabled():
-        return INTERPRETER_TILE
-    return _fit_shared_memory(_for_dtype(TileConfig(128, 128, 64, 8, 8, 4), element_size),
-                              element_size, _device.shared_memory_per_block(0))
-
-
-@functools.cache
-def grouped_launch_meta(tile: TileConfig) -> Mapping[str, Any]:
-    """Meta-parameters launching the grouped kernels with ``tile``; built once, read-only."""
-    return MappingProxyType({
-        "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
-        "GROUP_M": tile.group_m, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
-    })

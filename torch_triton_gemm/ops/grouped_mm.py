@@ -350,14 +350,14 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
     grid = (_sym_min(_num_sms(a.device),
                      _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
-    _launch(grouped_mm_kernel, grid, args, tuning.grouped_launch_meta(tile), traceable)
+    _launch(grouped_mm_kernel, grid, args, tuning.tile_meta(tile), traceable)
 
 
 def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool) -> tuning.TileConfig:
     """The heuristic's tile for a group's average output extents (offs' values stay on the
     device); one tile for all sizes when they are symbolic."""
     if type(G) is not int or type(M) is not int or type(N) is not int:
-        return tuning.symbolic_grouped_tile(element_size)
+        return tuning.symbolic_tile(element_size)
     groups = max(G, 1)
     m_per_group = M // groups if form == "m" else M
     n_per_group = N // groups if form == "n" else N

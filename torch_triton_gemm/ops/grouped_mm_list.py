@@ -123,7 +123,7 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
     grouped_mm_list_kernel[grid](
         a[0], b[0], out[0], table, len(rows), aligned, _input_precision(a[0].dtype),
         _device.interpreter_enabled() and a[0].dtype == torch.bfloat16,
-        **tuning.grouped_launch_meta(tile))
+        **tuning.tile_meta(tile))
 
 
 def _aligned(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:

@@ -333,10 +333,8 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     )
     if tile is None:
         tile = tuning.heuristic_scaled_mm_tile(M, N, scaling)
-    meta = tuning.launch_meta(tuning.MMPlan("portable", tile), 1)
     grid = (((M + tile.block_m - 1) // tile.block_m) * ((N + tile.block_n - 1) // tile.block_n),)
-    kernel_meta = {k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                                         "num_warps", "num_stages")}
+    kernel_meta = tuning.tile_meta(tile)
     if traceable:
         wrap_triton(scaled_mm_kernel)[grid](**dict(zip(scaled_mm_kernel.arg_names, args)),
                                              **kernel_meta)
