@@ -116,6 +116,15 @@ ROUTED_CASES: dict[str, tuple[str, int, Callable[..., torch.Tensor], list[tuple[
     "torch.addmm [1, N]": ("addmm", 1, torch.addmm, [(1, 40), (10, 24), (24, 40)]),
     "Tensor.addmm beta=alpha=1": (
         "addmm", 1, lambda c, a, b: c.addmm(a, b, beta=1, alpha=1), [(40,), (10, 24), (24, 40)]),
+    "addmm beta, alpha": ("addmm", 1, lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2),
+                          [(40,), (10, 24), (24, 40)]),
+    "addmm [M, N] input": ("addmm", 1, torch.addmm, [(10, 40), (10, 24), (24, 40)]),
+    "addmm [M, 1] input, beta": (
+        "addmm", 1, lambda c, a, b: c.addmm(a, b, beta=-1.5), [(10, 1), (10, 24), (24, 40)]),
+    "torch.baddbmm": ("bmm", 1, torch.baddbmm, [(3, 5, 40), (3, 5, 24), (3, 24, 40)]),
+    "Tensor.baddbmm [1, N] input, beta, alpha": (
+        "bmm", 1, lambda c, a, b: c.baddbmm(a, b, beta=0.25, alpha=-3),
+        [(1, 40), (3, 5, 24), (3, 24, 40)]),
     "torch.bmm": ("bmm", 1, torch.bmm, [(3, 5, 24), (3, 24, 40)]),
     "Tensor.bmm": ("bmm", 1, torch.Tensor.bmm, [(12, 5, 24), (12, 24, 40)]),
     "bmm batch 1": ("bmm", 1, torch.bmm, [(1, 5, 24), (1, 24, 40)]),
@@ -173,7 +182,8 @@ def test_autocast_casts_like_aten():
 # --- gradients ---------------------------------------------------------------------------------
 
 GRAD_CASES = ["F.linear", "F.linear+bias 3-D", "@ 3-D x 2-D", "torch.mm", "torch.addmm [N]",
-              "torch.addmm [1, N]", "torch.bmm", "bmm shared rhs, one call"]
+              "torch.addmm [1, N]", "addmm beta, alpha", "addmm [M, 1] input, beta", "torch.bmm",
+              "bmm shared rhs, one call", "Tensor.baddbmm [1, N] input, beta, alpha"]
 
 
 @requires_tgemm
@@ -207,11 +217,6 @@ def _fallthrough_cases() -> dict[str, Callable[[], tuple[Callable[..., torch.Ten
                                              randn(16, 8, dtype=torch.complex64, device="cpu"))),
         "out=": lambda: (lambda a, b, c: torch.mm(a, b, out=c),
                          (randn(8, 16), randn(16, 8), torch.empty(8, 8, device=DEVICE))),
-        "addmm beta": lambda: (lambda c, a, b: torch.addmm(c, a, b, beta=0.5),
-                               (randn(8), randn(8, 16), randn(16, 8))),
-        "addmm alpha": lambda: (lambda c, a, b: torch.addmm(c, a, b, alpha=2),
-                                (randn(8), randn(8, 16), randn(16, 8))),
-        "addmm [M, N] input": lambda: (torch.addmm, (randn(8, 8), randn(8, 16), randn(16, 8))),
         "vector @ matrix": lambda: (torch.matmul, (randn(16), randn(16, 8))),
         "matrix @ vector": lambda: (torch.matmul, (randn(8, 16), randn(16))),
         "F.linear 1-D input": lambda: (F.linear, (randn(16), randn(8, 16))),
@@ -236,6 +241,19 @@ def test_falls_through_unchanged(case, highest_fp32):
     assert out.dtype == plain.dtype and out.shape == plain.shape
     if out.device.type != "meta":
         assert torch.equal(out, plain)
+
+
+@requires_tgemm
+@pytest.mark.parametrize("level", ["python", "aten"])
+def test_beta_zero_ignores_input(level, highest_fp32):
+    # aten's addmm / baddbmm with beta = 0 do not read input: NaN there must not reach out.
+    a, b, a3, b3 = randn(6, 16), randn(16, 8), randn(2, 6, 16), randn(2, 16, 8)
+    with tg.override(level=level) as ov:
+        out = torch.addmm(torch.full((6, 8), float("nan"), device=DEVICE), a, b, beta=0, alpha=3)
+        out3 = torch.baddbmm(torch.full((2, 6, 8), float("nan"), device=DEVICE), a3, b3, beta=0)
+    assert ov.counts == routed_counts(addmm=1, bmm=1)
+    assert rel_err(out, 3 * (a.double() @ b.double())) <= TOLERANCE[torch.float32]
+    assert rel_err(out3, a3.double() @ b3.double()) <= TOLERANCE[torch.float32]
 
 
 @requires_tgemm
@@ -356,13 +374,21 @@ def test_batched_flatten_copies_only_when_forced(monkeypatch, highest_fp32):
     assert rel_err(out, a.double() @ b.double()) <= TOLERANCE[torch.float32]
 
 
+NOT_BROADCASTING = {
+    "matmul batch dims": lambda: (torch.matmul, (randn(2, 4, 8), randn(3, 8, 4))),
+    "addmm input": lambda: (torch.addmm, (randn(3, 8), randn(8, 16), randn(16, 8))),
+    "baddbmm input": lambda: (torch.baddbmm, (randn(3, 8, 8), randn(2, 8, 16), randn(2, 16, 8))),
+}
+
+
 @requires_tgemm
-def test_batch_dims_that_do_not_broadcast_fall_through_to_aten_error():
-    a, b = randn(2, 4, 8), randn(3, 8, 4)
+@pytest.mark.parametrize("case", NOT_BROADCASTING)
+def test_shapes_that_do_not_broadcast_fall_through_to_aten_error(case):
+    fn, operands = NOT_BROADCASTING[case]()
     with pytest.raises(RuntimeError) as plain_error:
-        torch.matmul(a, b)
+        fn(*operands)
     with tg.override() as ov, pytest.raises(RuntimeError) as routed_error:
-        torch.matmul(a, b)
+        fn(*operands)
     assert str(routed_error.value) == str(plain_error.value)
     assert ov.counts == routed_counts(fallback=1)
 

@@ -7,7 +7,9 @@ to ``tgemm.grouped_mm``), and ``torch._grouped_mm`` / ``torch._scaled_mm`` to
 ``tgemm.grouped_mm`` / ``tgemm.scaled_mm``. A call that the ops cannot serve exactly (dtype,
 device, ``out=``, arguments they reject, below ``min_size``) falls through to PyTorch unchanged.
 
-How: the override is a ``TorchFunctionMode``, so it sees calls at the Python API, above autograd.
+How: the default override is a ``TorchFunctionMode``, so it sees calls at the Python API, above
+autograd (``level="aten"``, in aten_override.py, registers dispatcher kernels with the same
+planners instead).
 A routed call becomes tgemm op calls, whose autograd formulas are tgemm ops again, so the
 backward pass runs on tgemm too. torch.compile traces through the mode (Dynamo inlines
 ``__torch_function__`` and guards on the mode stack), so graphs compiled inside the context hold
@@ -56,8 +58,12 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 # --- operand checks -----------------------------------------------------------------------------
 
-def _compute_dtype(*tensors: object) -> torch.dtype | str:
-    """The dtype tgemm computes these operands in, or why the call stays with PyTorch."""
+def _compute_dtype(*tensors: object, autocast: bool = True) -> torch.dtype | str:
+    """The dtype tgemm computes these operands in, or why the call stays with PyTorch.
+
+    ``autocast`` applies torch.autocast's cast, for calls seen above aten (at the aten level
+    autocast has already cast what it casts).
+    """
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             return "an operand is not a tensor"
@@ -71,7 +77,7 @@ def _compute_dtype(*tensors: object) -> torch.dtype | str:
             return "operands are on different devices"
         if t.dtype not in _ROUTABLE_DTYPES:
             return "dtype is not float16, bfloat16 or float32"
-    if torch.is_autocast_enabled(first.device.type):
+    if autocast and torch.is_autocast_enabled(first.device.type):
         # aten casts matmul operands to the autocast dtype; tgemm::mm has no autocast rule, so
         # the planners cast the same way.
         return torch.get_autocast_dtype(first.device.type)
@@ -111,7 +117,7 @@ def _bind(args: tuple, kwargs: dict, names: tuple[str, ...],
 
 def _bind_operands(args: tuple, kwargs: dict, names: tuple[str, ...],
                    keywords: tuple[str, ...] = (), optional: tuple[str, ...] = (),
-                   ) -> tuple[dict[str, Any], torch.dtype] | str:
+                   autocast: bool = True) -> tuple[dict[str, Any], torch.dtype] | str:
     """Bind the call and find the compute dtype of its operands ``names`` (those in ``optional``
     may be None), or say why the call is left alone."""
     bound = _bind(args, kwargs, names, keywords)
@@ -119,17 +125,17 @@ def _bind_operands(args: tuple, kwargs: dict, names: tuple[str, ...],
         return bound
     tensors = [bound.get(name) for name in names
                if not (name in optional and bound.get(name) is None)]
-    dtype = _compute_dtype(*tensors)
+    dtype = _compute_dtype(*tensors, autocast=autocast)
     if isinstance(dtype, str):
         return dtype
     return bound, dtype
 
 
-def _bind_pair(args: tuple, kwargs: dict,
-               names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | str:
+def _bind_pair(args: tuple, kwargs: dict, names: tuple[str, str],
+               autocast: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | str:
     """The two operands of a ``(input, other)``-style call and their compute dtype, or why the
     call is left alone."""
-    operands = _bind_operands(args, kwargs, names)
+    operands = _bind_operands(args, kwargs, names, autocast=autocast)
     if isinstance(operands, str):
         return operands
     bound, dtype = operands
@@ -200,8 +206,9 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
     return _Plan("bmm", count * m * n * k, run, "tgemm::grouped_mm")
 
 
-def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "weight", "bias"), optional=("bias",))
+def _plan_linear(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_operands(args, kwargs, ("input", "weight", "bias"), optional=("bias",),
+                              autocast=autocast)
     if isinstance(operands, str):
         return operands
     bound, dtype = operands
@@ -217,8 +224,8 @@ def _plan_linear(args: tuple, kwargs: dict) -> _Plan | str:
                         b_is_weight=True)
 
 
-def _plan_mm(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_pair(args, kwargs, ("input", "mat2"))
+def _plan_mm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_pair(args, kwargs, ("input", "mat2"), autocast=autocast)
     if isinstance(operands, str):
         return operands
     a, b, dtype = operands
@@ -227,27 +234,69 @@ def _plan_mm(args: tuple, kwargs: dict) -> _Plan | str:
     return _matrix_plan("mm", a, b, None, dtype)
 
 
-def _plan_addmm(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "mat1", "mat2"), ("beta", "alpha"))
+def _scaled_sum(product: Callable[[], torch.Tensor], input: torch.Tensor, beta: Any,
+                alpha: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``beta * input + alpha * product()`` rounded once to ``dtype``, as aten's addmm and
+    baddbmm do: ``product`` returns the float32 product, and beta = 0 ignores input (NaN too)."""
+    out = product()
+    if alpha != 1:
+        out = out * alpha
+    if beta != 0:
+        out = out + (input if beta == 1 else input * beta).to(torch.float32)
+    return out.to(dtype)
+
+
+def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_operands(args, kwargs, ("input", "mat1", "mat2"), ("beta", "alpha"),
+                              autocast=autocast)
     if isinstance(operands, str):
         return operands
     bound, dtype = operands
-    if bound.get("beta", 1) != 1 or bound.get("alpha", 1) != 1:
-        return "beta or alpha is not 1"
+    beta, alpha = bound.get("beta", 1), bound.get("alpha", 1)
     bias, a, b = bound.get("input"), bound.get("mat1"), bound.get("mat2")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
+    m, k = a.shape
     n = b.shape[1]
-    # tgemm's epilogue adds a bias per output column: input of shape [N] or [1, N].
-    if bias.dim() == 2 and bias.shape[0] == 1:
-        bias = bias.reshape(bias.shape[1])
-    if bias.dim() != 1 or bias.shape[0] != n:
-        return "input broadcasts other than as a row of N"
-    return _matrix_plan("addmm", a, b, bias, dtype)
+    if not _broadcasts_to(bias, (m, n)):
+        return "input does not broadcast to [M, N] (PyTorch raises)"
+    # The common case, nn.Linear's bias: tgemm's epilogue adds a row of N in fp32.
+    if beta == 1 and alpha == 1 and bias.shape[-1:] == (n,) and bias.numel() == n:
+        return _matrix_plan("addmm", a, b, bias.reshape(n), dtype)
+    return _Plan("addmm", m * n * k, lambda: _scaled_sum(
+        lambda: _tgemm(_cast(a, dtype), _cast(b, dtype), out_dtype=torch.float32),
+        _cast(bias, dtype), beta, alpha, dtype))
 
 
-def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_pair(args, kwargs, ("input", "other"))
+def _plan_baddbmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_operands(args, kwargs, ("input", "batch1", "batch2"), ("beta", "alpha"),
+                              autocast=autocast)
+    if isinstance(operands, str):
+        return operands
+    bound, dtype = operands
+    beta, alpha = bound.get("beta", 1), bound.get("alpha", 1)
+    c, a, b = bound.get("input"), bound.get("batch1"), bound.get("batch2")
+    if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
+            or a.shape[2] != b.shape[1]):
+        return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
+    count, m, k = a.shape
+    n = b.shape[2]
+    if not _broadcasts_to(c, (count, m, n)):
+        return "input does not broadcast to [B, M, N] (PyTorch raises)"
+    if count * m * n * k == 0:
+        return "empty batch or matrix"
+    return _Plan("bmm", count * m * n * k, lambda: _scaled_sum(
+        lambda: _tgemm_grouped(_cast(a, dtype), _cast(b, dtype), out_dtype=torch.float32),
+        _cast(c, dtype), beta, alpha, dtype), "tgemm::grouped_mm")
+
+
+def _broadcasts_to(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    return t.dim() <= len(shape) and all(
+        size in (1, want) for size, want in zip(reversed(t.shape), reversed(shape)))
+
+
+def _plan_matmul(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_pair(args, kwargs, ("input", "other"), autocast=autocast)
     if isinstance(operands, str):
         return operands
     a, b, dtype = operands
@@ -260,15 +309,15 @@ def _plan_matmul(args: tuple, kwargs: dict) -> _Plan | str:
     return _batched_plan(a, b, dtype)
 
 
-def _plan_rmatmul(args: tuple, kwargs: dict) -> _Plan | str:
+def _plan_rmatmul(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
     # Tensor.__rmatmul__(self, other) computes other @ self.
     if len(args) != 2 or kwargs:
         return "unexpected arguments"
-    return _plan_matmul((args[1], args[0]), {})
+    return _plan_matmul((args[1], args[0]), {}, autocast)
 
 
-def _plan_bmm(args: tuple, kwargs: dict) -> _Plan | str:
-    operands = _bind_pair(args, kwargs, ("input", "mat2"))
+def _plan_bmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_pair(args, kwargs, ("input", "mat2"), autocast=autocast)
     if isinstance(operands, str):
         return operands
     a, b, dtype = operands
@@ -304,7 +353,7 @@ def _rejected(check: Callable[[], object]) -> str | None:
     return None
 
 
-def _plan_grouped(args: tuple, kwargs: dict) -> _Plan | str:
+def _plan_grouped(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
     bound = _bind(args, kwargs, ("input", "mat2", "offs", "bias", "out_dtype"))
     if isinstance(bound, str):
         return bound
@@ -313,7 +362,7 @@ def _plan_grouped(args: tuple, kwargs: dict) -> _Plan | str:
     reason = _check_plain((a, b, offs, bias))
     if reason is not None:
         return reason
-    if torch.is_autocast_enabled(a.device.type):
+    if autocast and torch.is_autocast_enabled(a.device.type):
         return "autocast is enabled (its rule for torch._grouped_mm stays with PyTorch)"
     reason = _rejected(lambda: _grouped_mm_module._check_inputs(a, b, offs, bias, out_dtype,
                                                                 False))
@@ -328,7 +377,7 @@ def _plan_grouped(args: tuple, kwargs: dict) -> _Plan | str:
                  "tgemm::grouped_mm")
 
 
-def _plan_scaled(args: tuple, kwargs: dict) -> _Plan | str:
+def _plan_scaled(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
     names = ("input", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype",
              "use_fast_accum")
     bound = _bind(args, kwargs, names)
@@ -372,6 +421,8 @@ _ENTRY_POINTS: dict[Callable, tuple[str, Callable[[tuple, dict], _Plan | str]]] 
     torch.Tensor.__rmatmul__: ("@ (reflected)", _plan_rmatmul),
     torch.bmm: ("bmm", _plan_bmm),
     torch.Tensor.bmm: ("Tensor.bmm", _plan_bmm),
+    torch.baddbmm: ("baddbmm", _plan_baddbmm),
+    torch.Tensor.baddbmm: ("Tensor.baddbmm", _plan_baddbmm),
     torch._grouped_mm: ("_grouped_mm", _plan_grouped),
     torch._scaled_mm: ("_scaled_mm", _plan_scaled),
 }
@@ -384,38 +435,25 @@ def _describe(args: tuple) -> str:
 
 # --- the mode -----------------------------------------------------------------------------------
 
-class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
-    """A TorchFunctionMode that routes matrix products to tgemm's ops; made by :func:`override`.
-
-    ``__enter__`` and ``__exit__`` are TorchFunctionMode's own: Dynamo supports modes that keep
-    them, also across graph breaks inside the context.
-    """
+class Router:
+    """What both override levels share: the families to route, ``min_size``, the decision log
+    and ``counts``."""
 
     def __init__(self, ops: frozenset[str], min_size: int, log: bool) -> None:
-        super().__init__()
         self.ops = ops
         self.min_size = min_size
         self.log = log
         self.counts: dict[str, int] = dict.fromkeys((*FAMILIES, "fallback"), 0)
-        # Threads share this object (each has its own mode stack); += on a dict entry is a
-        # read-modify-write, so increments take the lock.
+        # Threads share this object; += on a dict entry is a read-modify-write, so increments
+        # take the lock.
         self._counts_lock = threading.Lock()
 
     def _count(self, key: str) -> None:
         with self._counts_lock:
             self.counts[key] += 1
 
-    def __repr__(self) -> str:
-        return (f"override(ops={tuple(f for f in FAMILIES if f in self.ops)}, "
-                f"min_size={self.min_size}, log={self.log})")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        entry = _ENTRY_POINTS.get(func)
-        if entry is None:
-            return func(*args, **kwargs)
-        name, planner = entry
-        plan = planner(args, kwargs)
+    def decide(self, name: str, plan: _Plan | str, args: tuple) -> _Plan | None:
+        """The plan to run, or None where the call stays with PyTorch; counted and logged."""
         if not isinstance(plan, str):
             if plan.family not in self.ops:
                 plan = f"'{plan.family}' is not in ops"
@@ -429,11 +467,42 @@ class GemmOverride(TorchFunctionMode, contextlib.ContextDecorator):
                 self._count("fallback")
                 if self.log:
                     _LOG.info("%s(%s) stays with PyTorch: %s", name, _describe(args), plan)
-            return _call_past_overrides(func, args, kwargs)
+            return None
         if not traced:
             self._count(plan.family)
             if self.log:
                 _LOG.debug("%s(%s) -> %s [%s]", name, _describe(args), plan.op, plan.family)
+        return plan
+
+    def _describe_settings(self) -> str:
+        return (f"ops={tuple(f for f in FAMILIES if f in self.ops)}, "
+                f"min_size={self.min_size}, log={self.log}")
+
+
+class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
+    """The Python-level override, a TorchFunctionMode that routes matrix products to tgemm's
+    ops; made by :func:`override` with ``level="python"``.
+
+    ``__enter__`` and ``__exit__`` are TorchFunctionMode's own: Dynamo supports modes that keep
+    them, also across graph breaks inside the context.
+    """
+
+    def __init__(self, ops: frozenset[str], min_size: int, log: bool) -> None:
+        TorchFunctionMode.__init__(self)
+        Router.__init__(self, ops, min_size, log)
+
+    def __repr__(self) -> str:
+        return f"override({self._describe_settings()})"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        entry = _ENTRY_POINTS.get(func)
+        if entry is None:
+            return func(*args, **kwargs)
+        name, planner = entry
+        plan = self.decide(name, planner(args, kwargs), args)
+        if plan is None:
+            return _call_past_overrides(func, args, kwargs)
         return plan.run()
 
 
@@ -463,28 +532,32 @@ def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 # --- public API ---------------------------------------------------------------------------------
 
-def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False) -> GemmOverride:
+def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False,
+             level: str = "python") -> Router:
     """Run PyTorch's matrix products on tgemm inside a ``with`` block or decorated function.
 
     Routed entry points (function and Tensor-method forms):
 
     - ``"mm"``: ``torch.mm``, ``F.linear`` / ``nn.Linear`` without bias, ``torch.matmul`` and
       ``@`` for [M, K] @ [K, N] and [..., K] @ [K, N] (leading dims folded into M).
-    - ``"addmm"``: ``torch.addmm`` with beta = alpha = 1 and an input of shape [N] or [1, N], and
-      ``F.linear`` / ``nn.Linear`` with bias; the bias add runs in tgemm's epilogue.
+    - ``"addmm"``: ``torch.addmm`` and ``F.linear`` / ``nn.Linear`` with bias. With beta =
+      alpha = 1 and an input of shape [N] or [1, N] (a bias) the add runs in tgemm's epilogue;
+      otherwise the product is taken in float32 and ``beta * input + alpha * product`` rounded
+      once, as aten does (beta = 0 ignores input, NaN included).
     - ``"bmm"``: ``torch.bmm``, and ``torch.matmul`` / ``@`` for [..., M, K] @ [..., K, N] of
       any rank with broadcast batch dims ([B, H, T, D] @ [B, H, D, T], [1, M, K] @ [B, K, N],
       [B, 1, M, K] @ [H, K, N], [M, K] @ [B, K, N]): the batch is flattened into one dimension
       (``expand`` + ``reshape``, which copies only an operand whose broadcast batch dims cannot
       share one stride) and runs in one ``tgemm.grouped_mm`` launch; when the right operand is
       the same matrix for the whole batch, the batch folds into M of one ``tgemm.mm`` launch.
+      ``torch.baddbmm`` (any beta, alpha and broadcast input) as addmm's general case.
     - ``"grouped"``: ``torch._grouped_mm`` in all its forms, to ``tgemm.grouped_mm``.
     - ``"scaled"``: ``torch._scaled_mm`` with an ``out_dtype`` of bfloat16, float16 or float32,
       to ``tgemm.scaled_mm``.
 
     Everything else falls through to PyTorch unchanged: tensors tgemm cannot run on (CUDA, or
-    CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``,
-    beta or alpha other than 1, 1-D operands, empty batches, tensor subclasses, products with
+    CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``
+    (at the Python level), 1-D operands, empty batches, tensor subclasses, products with
     M * N * K (times the batch) below ``min_size``; for ``torch._grouped_mm`` and
     ``torch._scaled_mm``, arguments the tgemm op rejects, ``_grouped_mm`` under autocast, and
     ``_scaled_mm`` with ``scale_result``, without ``out_dtype`` (PyTorch then returns the fp8
@@ -492,29 +565,49 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
     the autocast dtype, as aten does. Gradients of routed calls are computed by tgemm as well.
 
-    The override is a ``TorchFunctionMode``, and mode stacks are thread-local: only the thread
+    Two levels. ``level="python"`` (the default) is a ``TorchFunctionMode``: it sees the Python
+    entry points above, and torch.compile traces through it. ``level="aten"`` registers tgemm
+    kernels for ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` (and their ``out=`` forms),
+    ``_grouped_mm`` and ``_scaled_mm`` with PyTorch's dispatcher while open, so every caller is
+    routed: ``torch.einsum``, C++ code, other ops' autograd formulas, other libraries' ops, and
+    compiled code (see below). Pick the Python level for models you compile (tgemm ops in the
+    graph, Inductor sees them, no copy) and the aten level to catch GEMMs the Python level
+    cannot see. Both may be open at once; the Python level decides first.
+
+    At the Python level, mode stacks are thread-local: only the thread
     that entered it is routed; other threads' matmuls run as usual. One override object may be
     entered by several threads at once; its ``counts`` then add up the calls of all of them.
     Nested overrides: the innermost decides, and a call it leaves to PyTorch is not routed by an
     outer one. Leaving the block restores normal behaviour, also when the body raises; an
     override object may be entered again and nested in itself.
 
-    ``torch.compile`` traces through the override: functions compiled inside it get tgemm ops in
-    their graph, and Dynamo's guard on the mode stack recompiles them when called outside. The
-    exceptions are ``torch._grouped_mm`` and ``torch._scaled_mm``: Dynamo hands a mode only the
-    functions of ``torch.overrides.get_overridable_functions()``, which leaves out private ones,
-    so compiled code keeps PyTorch's kernels for them.
+    ``torch.compile`` traces through the Python level: functions compiled inside it get tgemm
+    ops in their graph, and Dynamo's guard on the mode stack recompiles them when called
+    outside. The exceptions are ``torch._grouped_mm`` and ``torch._scaled_mm``: Dynamo hands a
+    mode only the functions of ``torch.overrides.get_overridable_functions()``, which leaves out
+    private ones, so compiled code keeps PyTorch's kernels for them.
+
+    The aten level is process-wide: while it is open every thread's GEMMs are routed, and a
+    second aten-level override cannot open (the same object may be entered again). Graphs
+    compiled with it open hold aten ops, as without it; their GEMMs reach tgemm at run time,
+    through the aten calls Inductor makes for them (``out=`` forms, whose result is copied into
+    Inductor's buffer), whenever they run with the aten level open, wherever they were compiled.
+    GEMMs Inductor writes itself (``max_autotune`` templates) are not aten calls and stay
+    Inductor's. Its kernels run below autograd and autocast: aten's derivative formulas record
+    the graph (their products are routed too), and operands arrive already cast.
 
     Args:
         ops: the families to route, a subset of ``("mm", "addmm", "bmm", "grouped", "scaled")``.
         min_size: products with fewer multiply-adds (M * N * K) stay with PyTorch.
         log: log each decision on the ``torch_triton_gemm.override`` logger: routed calls at
             DEBUG, calls left to PyTorch (with the reason) at INFO.
+        level: ``"python"`` (a TorchFunctionMode) or ``"aten"`` (dispatcher kernels).
 
     Returns:
         A context manager and decorator. Its ``counts`` dict gives the routed calls per family
-        and the calls left to PyTorch under ``"fallback"``; calls inside compiled code are decided
-        once when Dynamo traces them and are not counted or logged.
+        and the calls left to PyTorch under ``"fallback"``. At the Python level calls inside
+        compiled code are decided once when Dynamo traces them and are not counted or logged;
+        at the aten level every call is counted, compiled or not.
 
     Example:
         >>> import torch, torch_triton_gemm as tg
@@ -531,4 +624,9 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
         raise ValueError(f"override: unknown ops {unknown}; choose from {FAMILIES}")
     if min_size < 0:
         raise ValueError(f"override: min_size must be >= 0, got {min_size}")
-    return GemmOverride(frozenset(selected), int(min_size), bool(log))
+    if level == "python":
+        return GemmOverride(frozenset(selected), int(min_size), bool(log))
+    if level == "aten":
+        from .aten_override import AtenGemmOverride
+        return AtenGemmOverride(frozenset(selected), int(min_size), bool(log))
+    raise ValueError(f"override: level must be 'python' or 'aten', got {level!r}")
