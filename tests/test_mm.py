@@ -261,6 +261,29 @@ def test_gradcheck_fp32(device, activation, highest_fp32):
         eps=eps, atol=5e-3, rtol=5e-3, nondet_tol=0.0)
 
 
+def test_gradients_keep_the_operands_layout(device, highest_fp32):
+    # nn.Linear passes its weight W [N, K] as W.t(): W.grad must come out contiguous, as aten's
+    # formulas make it, or autograd copies every weight gradient to fix its layout.
+    w = torch.randn(24, 40, device=device, requires_grad=True)
+    x_storage = torch.randn(40, 10, device=device)
+    x = x_storage.t().requires_grad_()  # a column-major leaf [10, 40]
+    grad_out = torch.randn(10, 24, device=device)
+    tg.mm(x, w.t()).backward(grad_out)
+    assert w.grad.is_contiguous() and x.grad.stride() == x.stride()
+    ref_x, ref_w = grad_out.double() @ w.double(), grad_out.double().t() @ x.double()
+    assert rel_error(x.grad, ref_x) <= 1e-5 and rel_error(w.grad, ref_w) <= 1e-5
+
+
+def test_bias_alignment_changes_between_calls(device):
+    # Eager launches reuse the kernel compiled for a call signature; a bias that moves off a
+    # 16-byte boundary must get a kernel compiled for it, not the aligned one.
+    a, b = torch.randn(32, 64, device=device), torch.randn(64, 48, device=device)
+    storage = torch.randn(49, device=device)
+    for bias in (storage[:48], storage[1:], storage[:48]):
+        ref = a.double() @ b.double() + bias.double()
+        assert rel_error(tg.mm(a, b, bias), ref) <= 1e-2  # tf32 on a GPU
+
+
 def test_only_needed_gradients(device):
     a = randn((6, 10), torch.float16, device).requires_grad_()
     b = randn((10, 4), torch.float16, device)
