@@ -1,6 +1,7 @@
 """torch_triton_gemm: PyTorch matrix multiplications on readable Triton kernels.
 
-Importing the package registers the operators under ``torch.ops.tgemm``.
+Importing the package registers the operators under ``torch.ops.tgemm``, and their sharding
+rules for DTensor operands (``sharding.py``) where ``torch.distributed`` is available.
 """
 
 from .ops.grouped_mm import grouped_mm

@@ -25,13 +25,14 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import device as _device
+from . import sharding as _sharding
 from .ops import grouped_mm as _grouped_mm_module
 from .ops import scaled_mm as _scaled_mm_module
 from .ops.grouped_mm import grouped_mm as _tgemm_grouped
@@ -51,12 +52,28 @@ _ROUTABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_DEVICE_TYPES = frozenset(
     kind for kind in ("cuda", "cpu") if _device.kernel_device_error(torch.device(kind)) is None)
 
-# Tensor subclasses with their own __torch_function__ (DTensor, quantized weights) keep their
-# semantics: only plain tensors and parameters are routed.
+# Plain tensors and parameters are routed, and DTensors (sharding.py gives tgemm's ops their
+# sharding rules); other tensor subclasses (quantized weights, ...) keep their semantics.
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 # --- operand checks -----------------------------------------------------------------------------
+
+def _operand_types(tensors: Sequence[object]) -> str | None:
+    """Why the operands' types keep the call with PyTorch, or None: all plain tensors (or
+    parameters), or all DTensors."""
+    dtensors = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return "an operand is not a tensor"
+        if type(t) in _sharding.DTENSOR_TYPES:
+            dtensors += 1
+        elif type(t) not in _PLAIN_TENSOR_TYPES:
+            return "an operand is a tensor subclass"
+    if 0 < dtensors < len(tensors):
+        return "DTensor and plain tensor operands are mixed"
+    return None
+
 
 def _compute_dtype(*tensors: object, autocast: bool = True) -> torch.dtype | str:
     """The dtype tgemm computes these operands in, or why the call stays with PyTorch.
@@ -64,11 +81,9 @@ def _compute_dtype(*tensors: object, autocast: bool = True) -> torch.dtype | str
     ``autocast`` applies torch.autocast's cast, for calls seen above aten (at the aten level
     autocast has already cast what it casts).
     """
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            return "an operand is not a tensor"
-        if type(t) not in _PLAIN_TENSOR_TYPES:
-            return "an operand is a tensor subclass"
+    reason = _operand_types(tensors)
+    if reason is not None:
+        return reason
     first = tensors[0]
     if first.device.type not in _KERNEL_DEVICE_TYPES:
         return "tgemm does not run on this device"
@@ -334,11 +349,9 @@ def _check_plain(tensors: tuple[Any, ...]) -> str | None:
     if tensors[0] is None or tensors[1] is None:
         return "an operand is missing"
     present = [t for t in tensors if t is not None]
-    for t in present:
-        if not isinstance(t, torch.Tensor):
-            return "an operand is not a tensor"
-        if type(t) not in _PLAIN_TENSOR_TYPES:
-            return "an operand is a tensor subclass"
+    reason = _operand_types(present)
+    if reason is not None:
+        return reason
     if present[0].device.type not in _KERNEL_DEVICE_TYPES:
         return "tgemm does not run on this device"
     return None
@@ -557,13 +570,18 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
 
     Everything else falls through to PyTorch unchanged: tensors tgemm cannot run on (CUDA, or
     CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``
-    (at the Python level), 1-D operands, empty batches, tensor subclasses, products with
-    M * N * K (times the batch) below ``min_size``; for ``torch._grouped_mm`` and
+    (at the Python level), 1-D operands, empty batches, tensor subclasses other than DTensor,
+    DTensors mixed with plain tensors, products with M * N * K (times the batch) below
+    ``min_size``; for ``torch._grouped_mm`` and
     ``torch._scaled_mm``, arguments the tgemm op rejects, ``_grouped_mm`` under autocast, and
     ``_scaled_mm`` with ``scale_result``, without ``out_dtype`` (PyTorch then returns the fp8
     input dtype, which tgemm does not produce) or with a quantized operand or scale that
     requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
     the autocast dtype, as aten does. Gradients of routed calls are computed by tgemm as well.
+
+    DTensor operands (tensor parallel) are routed like plain ones: the tgemm ops have DTensor
+    sharding rules (``torch_triton_gemm.sharding``), so each rank runs tgemm on its shards with
+    the collectives DTensor makes for aten's matmuls.
 
     Two levels. ``level="python"`` (the default) is a ``TorchFunctionMode``: it sees the Python
     entry points above, and torch.compile traces through it. ``level="aten"`` registers tgemm

@@ -1,0 +1,457 @@
+"""Tensor parallel: tgemm's ops on DTensors, and override() in a tensor-parallel MLP, on 2 ranks.
+
+One spawn of two processes runs every check on its rank and saves what it measured; the tests
+read both ranks' measurements. The ranks talk through gloo and run tgemm on CPU in Triton's
+interpreter (tiny shapes), on any machine; the test marked ``gpu`` does the same with NCCL on two
+GPUs.
+
+What is checked, against float64 references of the full (unsharded) tensors:
+
+- the sharding rules: ``torch.ops.tgemm.mm`` / ``grouped_mm`` / ``scaled_mm`` on DTensors give
+  the right values, the output placement aten's rules give, and the collectives aten makes for
+  the same DTensors (counted with CommDebugMode);
+- override() in a ColwiseParallel -> gelu -> RowwiseParallel MLP: the same output and local
+  weight-gradient shards as without it, the same collectives, and tgemm launched on the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pathlib
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import torch_triton_gemm as tg
+from torch_triton_gemm.ops import mm as mm_module
+
+WORLD = 2
+PLACEMENTS = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "P": Partial()}
+
+
+# --- helpers that run on a rank -------------------------------------------------------------------
+
+def _distribute(full: torch.Tensor, mesh: DeviceMesh, placement: str) -> DTensor:
+    """This rank's part of ``full`` as a DTensor, without communication (every rank holds the
+    same ``full``, drawn from the same seed): gloo cannot send fp8."""
+    p = PLACEMENTS[placement]
+    local = full.chunk(WORLD, p.dim)[mesh.get_local_rank()] if isinstance(p, Shard) else full
+    return DTensor.from_local(local, mesh, [p], run_check=False)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _comms(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, int]]:
+    """fn(*args) and the collectives it made, by name."""
+    with CommDebugMode() as comm:
+        out = fn(*args)
+    return out, {str(op): n for op, n in comm.get_comm_counts().items()}
+
+
+def _placement(t: DTensor) -> str:
+    return ",".join(str(p) for p in t.placements)
+
+
+def _reference_act(z: torch.Tensor, activation: str) -> torch.Tensor:
+    return {"none": z, "relu": F.relu(z), "gelu": F.gelu(z, approximate="tanh")}[activation]
+
+
+# Sharding rules of tgemm::mm. name -> (a, b, bias placements or None, activation).
+MM_CASES = {
+    "rows: Shard(0) x Replicate": ("S0", "R", None, "none"),
+    "columns: Replicate x Shard(1), bias Shard(0), gelu": ("R", "S1", "S0", "gelu"),
+    "contraction: Shard(1) x Shard(0), Partial out": ("S1", "S0", None, "none"),
+    "contraction with a replicated bias": ("S1", "S0", "R", "none"),
+    # Same placements and out_dtype as the Partial case before it: DTensor's cache of sharding
+    # decisions must not hand relu that Partial output.
+    "contraction + relu: gathered, not Partial": ("S1", "S0", None, "relu"),
+}
+
+
+def _check_mm(mesh: DeviceMesh, device: str) -> dict[str, Any]:
+    m, k, n = 16, 32, 16
+    results = {}
+    for name, (pa, pb, pbias, activation) in MM_CASES.items():
+        a, b, bias = (torch.randn(*s, device=device) for s in ((m, k), (k, n), (n,)))
+        da, db = _distribute(a, mesh, pa), _distribute(b, mesh, pb)
+        dbias = None if pbias is None else _distribute(bias, mesh, pbias)
+        out, comms = _comms(torch.ops.tgemm.mm, da, db, dbias, activation, torch.float32)
+        # aten on the same DTensors: mm, or addmm when there is a bias (before the activation).
+        aten, aten_comms = (_comms(torch.mm, da, db) if dbias is None
+                            else _comms(torch.addmm, dbias, da, db))
+        ref = a.double() @ b.double() + (0 if pbias is None else bias.double())
+        results[name] = {
+            "err": _rel_err(out.full_tensor(), _reference_act(ref, activation)),
+            "placement": _placement(out), "aten_placement": _placement(aten),
+            "comms": comms, "aten_comms": aten_comms,
+        }
+    # override() routes torch.mm on DTensors to tgemm::mm, with aten's placements.
+    da, db = _distribute(torch.randn(m, k, device=device), mesh, "S1"), _distribute(
+        torch.randn(k, n, device=device), mesh, "S0")
+    with tg.override() as ov:
+        routed = torch.mm(da, db)
+    results["override torch.mm"] = {
+        "counts": dict(ov.counts), "placement": _placement(routed),
+        "err": _rel_err(routed.full_tensor(),
+                        da.full_tensor().double() @ db.full_tensor().double()),
+    }
+    # F.linear folds [B, T, K] into [B*T, K] and back, as aten's linear does: on a sequence-
+    # sharded input both make the same redistributions.
+    x, w, bias = (torch.randn(*s, device=device) for s in ((2, 4, k), (n, k), (n,)))
+    args = (_distribute(x, mesh, "S1"), _distribute(w, mesh, "R"), _distribute(bias, mesh, "R"))
+    aten, aten_comms = _comms(F.linear, *args)
+    with tg.override() as ov:
+        routed, comms = _comms(F.linear, *args)
+    results["override F.linear, sequence-sharded"] = {
+        "counts": dict(ov.counts), "placement": _placement(routed), "comms": comms,
+        "aten_placement": _placement(aten), "aten_comms": aten_comms,
+        "err": _rel_err(routed.full_tensor(), F.linear(x.double(), w.double(), bias.double())),
+    }
+    # Attention's [B, H, T, D] @ [B, H, D, T] with the heads sharded: override() flattens the
+    # batch as aten's matmul does, into one tgemm::grouped_mm that keeps the heads local.
+    q, kt = torch.randn(2, 4, 8, 8, device=device), torch.randn(2, 4, 8, 8, device=device)
+    args = (_distribute(q, mesh, "S1"), _distribute(kt, mesh, "S1"))
+    aten, aten_comms = _comms(torch.matmul, *args)
+    with tg.override() as ov:
+        routed, comms = _comms(torch.matmul, *args)
+    results["override @, head-sharded 4-D"] = {
+        "counts": dict(ov.counts), "placement": _placement(routed), "comms": comms,
+        "aten_placement": _placement(aten), "aten_comms": aten_comms,
+        "err": _rel_err(routed.full_tensor(), q.double() @ kt.double()),
+    }
+    # DTensor with a plain tensor: left to PyTorch (which refuses it).
+    with tg.override() as ov:
+        with contextlib.suppress(RuntimeError):
+            torch.mm(da, db.full_tensor())
+    results["override mixed"] = {"counts": dict(ov.counts)}
+    return results
+
+
+# Sharding rules of tgemm::grouped_mm. name -> (a shape, b shape, group sizes or None,
+# placements of a, b, bias, the output placement aten gives).
+GROUPED_CASES = {
+    "3-D x 3-D, the batch: Shard(0)": ((4, 8, 16), (4, 16, 8), None, ("S0", "S0", "S0"), "S0"),
+    "3-D x 3-D, columns: Shard(2)": ((2, 8, 16), (2, 16, 8), None, ("R", "S2", "S1"), "S2"),
+    "2-D x 3-D with offs, experts' columns: Shard(2)": (
+        (16, 16), (2, 16, 16), (6, 10), ("R", "S2", "S1"), "S1"),
+    "2-D x 3-D with offs, contraction": (
+        (16, 16), (2, 16, 16), (6, 10), ("S1", "S1", "R"), "P"),
+}
+
+
+def _grouped_reference(a: torch.Tensor, b: torch.Tensor, sizes: tuple[int, ...] | None,
+                       bias: torch.Tensor) -> torch.Tensor:
+    a, b, bias = a.double(), b.double(), bias.double()
+    if sizes is None:
+        return a @ b + bias[:, None, :]
+    rows = a.split(list(sizes))
+    return torch.cat([r @ b[g] + bias[g] for g, r in enumerate(rows)])
+
+
+def _check_grouped(mesh: DeviceMesh, device: str) -> dict[str, Any]:
+    results = {}
+    for name, (sa, sb, sizes, (pa, pb, pbias), _) in GROUPED_CASES.items():
+        a, b = torch.randn(*sa, device=device), torch.randn(*sb, device=device)
+        bias = torch.randn(sb[0], sb[-1], device=device)
+        da, db, dbias = (_distribute(t, mesh, p) for t, p in ((a, pa), (b, pb), (bias, pbias)))
+        offs = None
+        if sizes is not None:
+            offs = torch.tensor(sizes, device=device, dtype=torch.int32).cumsum(0).int()
+            offs = _distribute(offs, mesh, "R")
+        out, comms = _comms(torch.ops.tgemm.grouped_mm, da, db, offs, dbias)
+        ref = _grouped_reference(a, b, sizes, bias)
+        results[name] = {"err": _rel_err(out.full_tensor(), ref), "placement": _placement(out),
+                         "comms": comms}
+        if sizes is not None:  # override() routes torch._grouped_mm on DTensors too
+            with tg.override() as ov:
+                routed = torch._grouped_mm(da, db, offs=offs, bias=dbias)
+            results[name]["override"] = {
+                "counts": dict(ov.counts), "placement": _placement(routed),
+                "err": _rel_err(routed.full_tensor(), ref)}
+    return results
+
+
+# Sharding rules of tgemm::scaled_mm. name -> (recipe, K, placements of a and b, the placements
+# of scale_a and scale_b that DTensor must not have to change, output placement).
+SCALED_CASES = {
+    "rowwise, rows: Shard(0)": ("rowwise", 32, ("S0", "R"), ("S0", "R"), "S0"),
+    "rowwise, columns: Shard(1)": ("rowwise", 32, ("R", "S1"), ("R", "S1"), "S1"),
+    "tensorwise, contraction": ("tensorwise", 32, ("S1", "S0"), ("R", "R"), "P"),
+    "mxfp8, contraction: scale blocks sharded": ("mxfp8", 128, ("S1", "S0"), ("S1", "S0"), "P"),
+}
+
+
+def _check_scaled(mesh: DeviceMesh, device: str) -> dict[str, Any]:
+    m, n = 16, 16
+    results = {}
+    for name, (recipe, k, (pa, pb), (psa, psb), _) in SCALED_CASES.items():
+        aq, sa = tg.quantize(torch.randn(m, k, device=device), recipe, "a")
+        bq, sb = tg.quantize(torch.randn(n, k, device=device).t(), recipe, "b")
+        bias = torch.randn(n, device=device)
+        args = [_distribute(t, mesh, p) for t, p in ((aq, pa), (bq, pb), (sa, psa), (sb, psb))]
+        dbias = _distribute(bias, mesh, "R")
+        out, comms = _comms(torch.ops.tgemm.scaled_mm, *args, dbias, torch.float32)
+        ref = (tg.dequantize(aq, sa, recipe, "a") @ tg.dequantize(bq, sb, recipe, "b")
+               + bias.double())
+        results[name] = {"err": _rel_err(out.full_tensor(), ref), "placement": _placement(out),
+                         "comms": comms}
+        with tg.override() as ov:  # override() routes torch._scaled_mm on DTensors too
+            routed = torch._scaled_mm(*args, bias=dbias, out_dtype=torch.float32)
+        results[name]["override"] = {
+            "counts": dict(ov.counts), "placement": _placement(routed),
+            "err": _rel_err(routed.full_tensor(), ref)}
+    return results
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+MLP_DIM, MLP_HIDDEN = 24, 32
+
+
+@contextlib.contextmanager
+def _mm_launches() -> Iterator[list[tuple[int, int, int]]]:
+    """(M, K, N) of every tgemm::mm kernel launch in the block: the tensors the kernel sees."""
+    launches: list[tuple[int, int, int]] = []
+    run_launch = mm_module.run_launch
+
+    def logged(prepared: Any, a: torch.Tensor, b: torch.Tensor, *args: Any) -> None:
+        launches.append((a.shape[0], a.shape[1], b.shape[1]))
+        run_launch(prepared, a, b, *args)
+
+    mm_module.run_launch = logged
+    try:
+        yield launches
+    finally:
+        mm_module.run_launch = run_launch
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    out.backward(grad_out)
+    return out
+
+
+def _check_mlp(mesh: DeviceMesh, device: str) -> dict[str, Any]:
+    """One forward and backward of a ColwiseParallel -> gelu -> RowwiseParallel MLP, without
+    and with override()."""
+    model = _MLP(MLP_DIM, MLP_HIDDEN).to(device)
+    x = torch.randn(2, 3, MLP_DIM, device=device, requires_grad=True)
+    grad_out = torch.randn(2, 3, MLP_DIM, device=device)
+    reference = copy.deepcopy(model).double()
+    x_ref = x.detach().double().requires_grad_()
+    ref_out = reference(x_ref)
+    ref_out.backward(grad_out.double())
+    runs: dict[str, Any] = {}
+    for name in ("aten", "override"):
+        tp = parallelize_module(copy.deepcopy(model), mesh,
+                                {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        x.grad = None
+        ov = tg.override()
+        with _mm_launches() as launches, ov if name == "override" else contextlib.nullcontext():
+            out, comms = _comms(_train_step, tp, x, grad_out)
+        runs[name] = {
+            "err": _rel_err(out, ref_out), "x_grad_err": _rel_err(x.grad, x_ref.grad),
+            "comms": comms, "counts": dict(ov.counts),
+            "launches": launches,
+            "grads": {p: w.grad.to_local().cpu() for p, w in tp.named_parameters()},
+            "grad_err": {p: _rel_err(w.grad.full_tensor(), reference.get_parameter(p).grad)
+                         for p, w in tp.named_parameters()},
+        }
+    return runs
+
+
+CHECKS: dict[str, Callable[[DeviceMesh, str], dict[str, Any]]] = {
+    "mm": _check_mm, "grouped_mm": _check_grouped, "scaled_mm": _check_scaled, "mlp": _check_mlp,
+}
+
+
+def _worker(rank: int, store: str, backend: str, seed: int, out_dir: str) -> None:
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        mesh = init_device_mesh(device, (WORLD,))
+        results = {}
+        for name, check in CHECKS.items():
+            torch.manual_seed(seed)  # every rank draws the same full tensors
+            results[name] = check(mesh, device)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(directory: pathlib.Path, backend: str) -> list[dict[str, Any]]:
+    """Every check on WORLD ranks; each rank's measurements. gloo ranks run on CPU in Triton's
+    interpreter, also on a machine with GPUs (the variable is read when the ranks import
+    torch_triton_gemm); nccl ranks on one GPU each."""
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"ranks seeded with torch.manual_seed({seed})")
+    with pytest.MonkeyPatch.context() as env:
+        if backend == "gloo":
+            env.setenv("TRITON_INTERPRET", "1")
+        mp.spawn(_worker, args=(str(directory / "store"), backend, seed, str(directory)),
+                 nprocs=WORLD)
+    return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+# --- what the ranks measured ----------------------------------------------------------------------
+
+FP32_TOLERANCE = 1e-5  # IEEE fp32 products (the ranks set "highest" precision)
+
+
+def _assert_mm(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        for name in MM_CASES:
+            case = rank["mm"][name]
+            assert case["err"] <= FP32_TOLERANCE, (name, case)
+            if name.startswith("contraction + relu"):
+                # aten reduces the Partial product before relu; tgemm's fused relu needs the
+                # whole contraction, so DTensor gathers the operands instead.
+                assert case["placement"] == str(PLACEMENTS["R"]), (name, case)
+                assert case["comms"] and case["comms"] != case["aten_comms"], (name, case)
+            else:
+                assert case["placement"] == case["aten_placement"], (name, case)
+                assert case["comms"] == case["aten_comms"], (name, case)
+        partial = str(PLACEMENTS["P"])
+        assert rank["mm"]["contraction: Shard(1) x Shard(0), Partial out"]["placement"] == partial
+        routed = rank["mm"]["override torch.mm"]
+        assert routed["counts"]["mm"] == 1 and routed["counts"]["fallback"] == 0, routed
+        assert routed["placement"] == partial, routed
+        assert routed["err"] <= FP32_TOLERANCE, routed
+        for name, family in (("override F.linear, sequence-sharded", "addmm"),
+                             ("override @, head-sharded 4-D", "bmm")):
+            routed = rank["mm"][name]
+            assert routed["counts"][family] == 1 and routed["counts"]["fallback"] == 0, routed
+            assert routed["placement"] == routed["aten_placement"], (name, routed)
+            assert routed["comms"] == routed["aten_comms"] == {}, (name, routed)
+            assert routed["err"] <= FP32_TOLERANCE, (name, routed)
+        mixed = rank["mm"]["override mixed"]["counts"]
+        assert mixed["mm"] == 0 and mixed["fallback"] == 1, mixed
+
+
+def _assert_grouped(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        for name, (*_, placement) in GROUPED_CASES.items():
+            case = rank["grouped_mm"][name]
+            assert case["err"] <= FP32_TOLERANCE, (name, case)
+            assert case["placement"] == str(PLACEMENTS[placement]), (name, case)
+            assert case["comms"] == {}, (name, case)  # no redistribution
+            if "override" in case:
+                routed = case["override"]
+                assert routed["counts"]["grouped"] == 1 and routed["counts"]["fallback"] == 0
+                assert routed["placement"] == case["placement"], (name, routed)
+                assert routed["err"] <= FP32_TOLERANCE, (name, routed)
+
+
+def _assert_scaled(results: list[dict[str, Any]], tolerance: float) -> None:
+    for rank in results:
+        for name, (*_, placement) in SCALED_CASES.items():
+            case = rank["scaled_mm"][name]
+            assert case["err"] <= tolerance, (name, case)
+            assert case["placement"] == str(PLACEMENTS[placement]), (name, case)
+            assert case["comms"] == {}, (name, case)  # no redistribution
+            routed = case["override"]
+            assert routed["counts"]["scaled"] == 1 and routed["counts"]["fallback"] == 0
+            assert routed["placement"] == case["placement"], (name, routed)
+            assert routed["err"] <= tolerance, (name, routed)
+
+
+def _assert_mlp(results: list[dict[str, Any]]) -> None:
+    shard = MLP_HIDDEN // WORLD
+    for rank in results:
+        aten, routed = rank["mlp"]["aten"], rank["mlp"]["override"]
+        for run in (aten, routed):
+            assert run["err"] <= FP32_TOLERANCE, run["err"]
+            assert max(run["grad_err"].values()) <= FP32_TOLERANCE, run["grad_err"]
+            assert run["x_grad_err"] <= FP32_TOLERANCE, run["x_grad_err"]
+        for name, grad in routed["grads"].items():
+            assert _rel_err(grad, aten["grads"][name]) <= FP32_TOLERANCE, name
+        # The same collectives, and at least the all-reduce of RowwiseParallel's output.
+        assert routed["comms"] == aten["comms"] and aten["comms"], (routed["comms"],
+                                                                     aten["comms"])
+        # Both linears routed (with their bias); tgemm ran on the shards: the forward's two
+        # products and the backward's four (weight and input gradients of both), each with the
+        # sharded hidden dim at its local size.
+        assert routed["counts"]["addmm"] == 2 and routed["counts"]["fallback"] == 0, routed
+        assert aten["launches"] == []
+        assert len(routed["launches"]) == 6, routed["launches"]
+        for launch in routed["launches"]:
+            assert shard in launch and MLP_HIDDEN not in launch, routed["launches"]
+
+
+@pytest.fixture(scope="module")
+def cpu_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run_ranks(tmp_path_factory.mktemp("tp"), "gloo")
+
+
+def test_mm_sharding_rules(cpu_ranks):
+    _assert_mm(cpu_ranks)
+
+
+def test_grouped_mm_sharding_rules(cpu_ranks):
+    _assert_grouped(cpu_ranks)
+
+
+def test_scaled_mm_sharding_rules(cpu_ranks):
+    _assert_scaled(cpu_ranks, FP32_TOLERANCE)
+
+
+def test_tensor_parallel_mlp_under_override(cpu_ranks):
+    _assert_mlp(cpu_ranks)
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass of the kind override() leaves to PyTorch (not a DTensor)."""
+
+
+def test_other_tensor_subclasses_fall_through(device):
+    a = torch.randn(8, 16, device=device).as_subclass(_Tagged)
+    b = torch.randn(16, 8, device=device)
+    with tg.override() as ov:
+        out = a @ b
+    assert ov.counts["fallback"] == 1 and ov.counts["mm"] == 0, ov.counts
+    assert type(out) is _Tagged
+    ref = a.as_subclass(torch.Tensor).double() @ b.double()
+    assert _rel_err(out.as_subclass(torch.Tensor), ref) <= 1e-3  # tf32 allowed on a GPU
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_on_two_gpus(tmp_path):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs for NCCL ranks, found {torch.cuda.device_count()}")
+    results = _run_ranks(tmp_path, "nccl")
+    _assert_mm(results)
+    _assert_grouped(results)
+    _assert_scaled(results, 1e-3)
+    _assert_mlp(results)
