@@ -10,8 +10,9 @@ What is checked, against float64 references of the full (unsharded) tensors:
 - the sharding rules: ``torch.ops.tgemm.mm`` / ``grouped_mm`` / ``scaled_mm`` on DTensors give
   the right values, the output placement aten's rules give, and the collectives aten makes for
   the same DTensors (counted with CommDebugMode);
-- override() in a ColwiseParallel -> gelu -> RowwiseParallel MLP: the same output and local
-  weight-gradient shards as without it, the same collectives, and tgemm launched on the shards.
+- override() in a ColwiseParallel -> gelu -> RowwiseParallel MLP, at the Python and the aten
+  level: the same output and local weight-gradient shards as without it, the same collectives,
+  and tgemm launched on the shards.
 """
 
 from __future__ import annotations
@@ -270,12 +271,13 @@ def _check_mlp(mesh: DeviceMesh, device: str) -> dict[str, Any]:
     ref_out = reference(x_ref)
     ref_out.backward(grad_out.double())
     runs: dict[str, Any] = {}
-    for name in ("aten", "override"):
+    for name in ("aten", "override", "override aten"):
         tp = parallelize_module(copy.deepcopy(model), mesh,
                                 {"up": ColwiseParallel(), "down": RowwiseParallel()})
         x.grad = None
-        ov = tg.override()
-        with _mm_launches() as launches, ov if name == "override" else contextlib.nullcontext():
+        # The aten level sees the local products DTensor issues on each rank's shards.
+        ov = tg.override(level="aten" if name == "override aten" else "python")
+        with _mm_launches() as launches, ov if name != "aten" else contextlib.nullcontext():
             out, comms = _comms(_train_step, tp, x, grad_out)
         runs[name] = {
             "err": _rel_err(out, ref_out), "x_grad_err": _rel_err(x.grad, x_ref.grad),
@@ -408,6 +410,15 @@ def _assert_mlp(results: list[dict[str, Any]]) -> None:
         assert len(routed["launches"]) == 6, routed["launches"]
         for launch in routed["launches"]:
             assert shard in launch and MLP_HIDDEN not in launch, routed["launches"]
+        # The aten level: the same values and collectives, every local product on tgemm.
+        below = rank["mlp"]["override aten"]
+        assert below["comms"] == aten["comms"], (below["comms"], aten["comms"])
+        for name, grad in below["grads"].items():
+            assert _rel_err(grad, aten["grads"][name]) <= FP32_TOLERANCE, name
+        assert below["err"] <= FP32_TOLERANCE and below["x_grad_err"] <= FP32_TOLERANCE
+        assert below["counts"]["fallback"] == 0 and len(below["launches"]) >= 6, below
+        for launch in below["launches"]:
+            assert shard in launch and MLP_HIDDEN not in launch, below["launches"]
 
 
 @pytest.fixture(scope="module")
