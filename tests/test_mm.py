@@ -135,7 +135,14 @@ def test_property_random_problems(device, highest_fp32, m, n, k, dtype, layout_a
     bias = randn((n,), torch.float32, device) if with_bias else None
     out = tg.mm(a, b, bias, activation)
     out_dtype = torch.bfloat16 if dtype in FP8 else dtype
-    assert rel_error(out, reference(a, b, bias, activation)) <= tolerance(out_dtype, dtype)
+    # Each element against the size of its terms, |a| @ |b| + |bias|, rather than of its value:
+    # random rows can cancel to a tiny sum (broadcast operands make every element that sum),
+    # which any summation order gets right only to the terms' precision. The activations'
+    # slopes stay below 1.2.
+    ref = reference(a, b, bias, activation)
+    terms = reference(a.abs(), b.abs(), None if bias is None else bias.abs())
+    error = ((out.double() - ref).abs() / (1.2 * terms).clamp_min(1e-30)).max().item()
+    assert error <= tolerance(out_dtype, dtype), error
 
 
 def test_deterministic(device):

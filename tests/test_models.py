@@ -113,17 +113,20 @@ class ModelSpec(NamedTuple):
     families: frozenset[str]
     # The class of its MoE router, whose top-k choice the runs share (see SharedRouting).
     router: Callable[[], type] | None = None
+    # Attention through torch's scaled_dot_product_attention, and its only bmm the rotary
+    # embedding's K = 1 product.
+    sdpa: bool = False
 
 
 MODELS = {
     # mm: the projections and lm_head; bmm: the rotary embedding's inv_freq @ positions.
-    "llama": ModelSpec(build_llama, frozenset({"mm", "bmm"})),
+    "llama": ModelSpec(build_llama, frozenset({"mm", "bmm"}), sdpa=True),
     # addmm: Conv1D; bmm: attention's q @ k^T and probs @ v; mm: the tied lm_head.
     "gpt2": ModelSpec(build_gpt2, frozenset({"mm", "addmm", "bmm"})),
     # grouped: the experts' up and down projections, through torch.nn.functional.grouped_mm.
     "mixtral": ModelSpec(
         build_mixtral, frozenset({"mm", "bmm", "grouped"}),
-        lambda: _transformers().models.mixtral.modeling_mixtral.MixtralTopKRouter),
+        lambda: _transformers().models.mixtral.modeling_mixtral.MixtralTopKRouter, sdpa=True),
 }
 
 
@@ -318,7 +321,10 @@ def test_eager(name, dtype, override_level, device, highest_fp32):
     with override_at(override_level), GemmWitness() as witness:
         forward_backward(routed_model, routed_model, tokens)
     assert plain_witness.aten >= aten_gemms_of(spec.families) | {"mm"}, plain_witness.aten
-    assert witness.aten == set(), f"GEMMs left to PyTorch: {witness.aten}"
+    # On CUDA, float32 attention takes SDPA's math path, whose products are aten bmm calls made
+    # inside another aten op: below the Python level (the aten level routes them).
+    inside_sdpa = {"bmm"} if spec.sdpa and device == "cuda" and dtype == torch.float32 else set()
+    assert witness.aten <= inside_sdpa, f"GEMMs left to PyTorch: {witness.aten}"
     assert witness.tgemm >= ({"mm", "grouped_mm"} if "grouped" in spec.families else {"mm"})
 
 
@@ -400,8 +406,9 @@ _ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.IGNORECASE)
 # cuBLAS / cuBLASLt (Hopper's nvjet and sm90_xmma, Ampere's s16816gemm, gemv, split-K reduce),
 # CUTLASS, and Inductor's own GEMM templates.
 _GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|^triton_tem_", re.IGNORECASE)
-# CUTLASS 3's grouped GEMM, which torch._grouped_mm runs on Hopper.
-_GROUPED_GEMM = re.compile(r"GroupProblemShape")
+# CUTLASS 3's grouped GEMM, which torch._grouped_mm runs on Hopper, and the kernel that lays out
+# its per-group arguments.
+_GROUPED_GEMM = re.compile(r"GroupProblemShape|prepare_grouped_gemm_data")
 
 
 def kernel_kind(name: str) -> str:
@@ -436,6 +443,9 @@ KERNEL_SAMPLES = {
     "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float>, "
     "float>, float, float)": "gemm",
     "triton_tem_fused_mm_0": "gemm",
+    "void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t, cutlass::bfloat16_t, "
+    "cutlass::bfloat16_t, float, cute::tuple<int, int, int> >(cutlass::bfloat16_t*, int const*, "
+    "int, int, int, long, long, bool, bool)": "grouped gemm",
     "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
     "kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, "
     "cutlass::gemm::collective::CollectiveMma<...> > > >(...)": "grouped gemm",
@@ -516,7 +526,9 @@ def test_gpu_profile(name, compiled, override_level, fresh_dynamo):
     if "grouped" in spec.families and not allowed:
         assert "grouped_mm_kernel" in kernels
     if override_level == "aten":  # counted at run time, compiled or not
-        assert routed_families(ov.counts) >= spec.families, ov.counts
+        # Inductor turns the rotary embedding's K = 1 product into pointwise code: no GEMM.
+        expected = spec.families - {"bmm"} if compiled and spec.sdpa else spec.families
+        assert routed_families(ov.counts) >= expected, ov.counts
         assert ov.counts["fallback"] == 0, ov.counts
     elif not compiled:  # compiled calls are decided when Dynamo traces, and not counted
         assert routed_families(ov.counts) == spec.families, ov.counts

@@ -302,6 +302,10 @@ def test_compiled_code_runs_on_tgemm_while_open(fresh_dynamo, highest_fp32):
     ref = step(x)
     ref_grad, = torch.autograd.grad(ref, x)
     compiled = torch.compile(step)
+    with tg.override(level="aten"):
+        # Compiles forward and backward; Inductor may time GEMMs while it compiles (padding
+        # choices), and those products run on tgemm too, so they are counted apart.
+        torch.autograd.grad(compiled(x), x)
     with tg.override(level="aten") as ov:
         out = compiled(x)
         forward = routed(ov.counts)
@@ -323,7 +327,10 @@ def test_compiled_code_runs_on_tgemm_while_open(fresh_dynamo, highest_fp32):
 def test_compiled_grouped_and_scaled_run_on_tgemm(fresh_dynamo):
     # The Python level cannot route torch._grouped_mm / torch._scaled_mm in compiled code (Dynamo
     # hands TorchFunctionModes public functions only); the aten level can.
-    a, b, offs, _ = _grouped_operands("2-D x 3-D (MoE)", torch.bfloat16)
+    # Rows of 16 bytes and more: PyTorch's meta function for _grouped_mm, which compile runs,
+    # insists on them.
+    a, b = randn(24, 16, dtype=torch.bfloat16), randn(3, 16, 16, dtype=torch.bfloat16)
+    offs = torch.tensor([5, 16, 24], dtype=torch.int32, device=DEVICE)
     xq, wq, xs, ws, ref = _scaled_operands("rowwise")
 
     @torch.compile
