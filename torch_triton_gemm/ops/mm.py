@@ -419,7 +419,7 @@ def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[
 def _launch_compiled(cache: dict[Any, Any], kernel: Any, grid: tuple[int],
                      args: tuple[Any, ...], meta: Mapping[str, Any], tensor_args: int) -> bool:
     """Launch a prepared launch through the kernel Triton compiled for it; False where the
-    caller must launch through Triton's JIT (it then fills the cache).
+    caller must launch through Triton's JIT.
 
     A prepared launch fixes every argument but the tensors (its memo key holds shapes, strides
     and dtypes), so the compiled kernel depends only on what Triton specialises tensors on:
@@ -427,33 +427,41 @@ def _launch_compiled(cache: dict[Any, Any], kernel: Any, grid: tuple[int],
     argument binding and specialisation, about two thirds of the host time of a small GEMM.
     Triton's launch hooks (profilers) need the JIT's path, which calls them.
     """
-    if _device.interpreter_enabled():
+    if _INTERPRETED or _launch_hooks_set():
         return False
     key = tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                 for t in args[:tensor_args])
     entry = cache.get(key)
-    device = args[0].device.index
-    if entry is None or _launch_hooks_set() or device != torch.cuda.current_device():
-        if entry is None and not _launch_hooks_set():
-            launched = kernel[grid](*args, **meta)
-            if launched is not None and hasattr(launched, "result"):
-                launched = launched.result()
-            # The launcher takes every parameter, constexprs included, in signature order.
-            tail = tuple(meta[param.name] if param.name in meta else param.default
-                         for param in kernel.params[len(args):])
-            cache[key] = (launched, (*grid, 1, 1)[:3], tail)
-            return True
+    if entry is None:
+        launched = kernel[grid](*args, **meta)
+        if launched is not None and hasattr(launched, "result"):
+            launched = launched.result()
+        # The launcher takes every parameter, constexprs included, in signature order.
+        tail = tuple(meta[param.name] if param.name in meta else param.default
+                     for param in kernel.params[len(args):])
+        cache[key] = (launched, (*grid, 1, 1)[:3], tail, torch._C._cuda_getDevice())
+        return True
+    launched, (grid_0, grid_1, grid_2), tail, device = entry
+    if torch._C._cuda_getDevice() != device:  # compiled for another device
         return False
-    launched, (grid_0, grid_1, grid_2), tail = entry
     launched.run(grid_0, grid_1, grid_2, torch._C._cuda_getCurrentRawStream(device),
                  launched.function, launched.packed_metadata, None, None, None, *args, *tail)
     return True
 
 
+# Fixed for the process once kernels are decorated (see device.interpreter_enabled).
+_INTERPRETED = _device.interpreter_enabled()
+# Triton 3.4+ keeps its launch hooks in knobs.runtime, earlier versions on CompiledKernel.
+_TRITON_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None) or \
+    triton.compiler.CompiledKernel
+
+
 def _launch_hooks_set() -> bool:
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    enter = getattr(_TRITON_RUNTIME, "launch_enter_hook", None)
+    leave = getattr(_TRITON_RUNTIME, "launch_exit_hook", None)
     # Triton 3.5+ keeps hook chains (empty when unused); earlier versions a callable or None.
-    return any(hook is not None and getattr(hook, "calls", True) for hook in (enter, leave))
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
