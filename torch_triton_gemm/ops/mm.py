@@ -451,14 +451,16 @@ def _launch_compiled(cache: dict[Any, Any], kernel: Any, grid: tuple[int],
 
 # Fixed for the process once kernels are decorated (see device.interpreter_enabled).
 _INTERPRETED = _device.interpreter_enabled()
-# Triton 3.4+ keeps its launch hooks in knobs.runtime, earlier versions on CompiledKernel.
-_TRITON_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None) or \
-    triton.compiler.CompiledKernel
+# Triton's runtime knobs (3.4+), where its launch hooks live; direct launches rely on the
+# launcher contract of those versions (grid, stream, function, metadata, hooks, arguments) and
+# are not used on older ones.
+_TRITON_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _launch_hooks_set() -> bool:
-    enter = getattr(_TRITON_RUNTIME, "launch_enter_hook", None)
-    leave = getattr(_TRITON_RUNTIME, "launch_exit_hook", None)
+    if _TRITON_RUNTIME is None:
+        return True
+    enter, leave = _TRITON_RUNTIME.launch_enter_hook, _TRITON_RUNTIME.launch_exit_hook
     # Triton 3.5+ keeps hook chains (empty when unused); earlier versions a callable or None.
     return ((enter is not None and bool(getattr(enter, "calls", True)))
             or (leave is not None and bool(getattr(leave, "calls", True))))
