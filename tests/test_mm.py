@@ -140,7 +140,7 @@ def test_property_random_problems(device, highest_fp32, m, n, k, dtype, layout_a
     # which any summation order gets right only to the terms' precision. The activations'
     # slopes stay below 1.2.
     ref = reference(a, b, bias, activation)
-    terms = reference(a.abs(), b.abs(), None if bias is None else bias.abs())
+    terms = reference(a.double().abs(), b.double().abs(), None if bias is None else bias.abs())
     error = ((out.double() - ref).abs() / (1.2 * terms).clamp_min(1e-30)).max().item()
     assert error <= tolerance(out_dtype, dtype), error
 
