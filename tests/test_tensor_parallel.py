@@ -92,6 +92,20 @@ MM_CASES = {
 }
 
 
+def _aten_and_routed(fn: Callable[..., Any], args: tuple[DTensor, ...],
+                     ref: torch.Tensor) -> dict[str, Any]:
+    """``fn`` on DTensors without and with override(): placements, collectives, routed counts
+    and the routed result's error against ``ref``."""
+    aten, aten_comms = _comms(fn, *args)
+    with tg.override() as ov:
+        routed, comms = _comms(fn, *args)
+    return {
+        "counts": dict(ov.counts), "placement": _placement(routed), "comms": comms,
+        "aten_placement": _placement(aten), "aten_comms": aten_comms,
+        "err": _rel_err(routed.full_tensor(), ref),
+    }
+
+
 def _check_mm(mesh: DeviceMesh, device: str) -> dict[str, Any]:
     m, k, n = 16, 32, 16
     results = {}
@@ -123,26 +137,14 @@ def _check_mm(mesh: DeviceMesh, device: str) -> dict[str, Any]:
     # sharded input both make the same redistributions.
     x, w, bias = (torch.randn(*s, device=device) for s in ((2, 4, k), (n, k), (n,)))
     args = (_distribute(x, mesh, "S1"), _distribute(w, mesh, "R"), _distribute(bias, mesh, "R"))
-    aten, aten_comms = _comms(F.linear, *args)
-    with tg.override() as ov:
-        routed, comms = _comms(F.linear, *args)
-    results["override F.linear, sequence-sharded"] = {
-        "counts": dict(ov.counts), "placement": _placement(routed), "comms": comms,
-        "aten_placement": _placement(aten), "aten_comms": aten_comms,
-        "err": _rel_err(routed.full_tensor(), F.linear(x.double(), w.double(), bias.double())),
-    }
+    results["override F.linear, sequence-sharded"] = _aten_and_routed(
+        F.linear, args, F.linear(x.double(), w.double(), bias.double()))
     # Attention's [B, H, T, D] @ [B, H, D, T] with the heads sharded: override() flattens the
     # batch as aten's matmul does, into one tgemm::grouped_mm that keeps the heads local.
     q, kt = torch.randn(2, 4, 8, 8, device=device), torch.randn(2, 4, 8, 8, device=device)
     args = (_distribute(q, mesh, "S1"), _distribute(kt, mesh, "S1"))
-    aten, aten_comms = _comms(torch.matmul, *args)
-    with tg.override() as ov:
-        routed, comms = _comms(torch.matmul, *args)
-    results["override @, head-sharded 4-D"] = {
-        "counts": dict(ov.counts), "placement": _placement(routed), "comms": comms,
-        "aten_placement": _placement(aten), "aten_comms": aten_comms,
-        "err": _rel_err(routed.full_tensor(), q.double() @ kt.double()),
-    }
+    results["override @, head-sharded 4-D"] = _aten_and_routed(
+        torch.matmul, args, q.double() @ kt.double())
     # DTensor with a plain tensor: left to PyTorch (which refuses it).
     with tg.override() as ov:
         with contextlib.suppress(RuntimeError):

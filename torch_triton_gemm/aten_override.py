@@ -21,6 +21,7 @@ backward products they issue are aten GEMMs again, so they are routed too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -82,8 +83,18 @@ def _out_dtype(op: _AtenOp, args: tuple, kwargs: dict) -> torch.dtype | None:
     source = op.out_dtype_from
     if isinstance(source, int):
         return args[source].dtype if len(args) > source else None
-    # _scaled_mm.out: out_dtype is the seventh argument of the schema.
-    return kwargs.get(source, args[6] if len(args) > 6 else None)
+    if source in kwargs:
+        return kwargs[source]
+    position = _argument_position(op.name, source)
+    return args[position] if len(args) > position else None
+
+
+@functools.cache
+def _argument_position(name: str, argument: str) -> int:
+    """Where ``argument`` sits in the schema of the aten overload ``name`` ("op.overload")."""
+    packet, _, overload = name.partition(".")
+    schema = getattr(getattr(torch.ops.aten, packet), overload or "default")._schema
+    return [a.name for a in schema.arguments].index(argument)
 
 
 def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:

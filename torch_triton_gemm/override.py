@@ -261,14 +261,23 @@ def _scaled_sum(product: Callable[[], torch.Tensor], input: torch.Tensor, beta: 
     return out.to(dtype)
 
 
-def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "mat1", "mat2"), ("beta", "alpha"),
-                              autocast=autocast)
+def _bind_scaled_sum(args: tuple, kwargs: dict, names: tuple[str, str, str],
+                     autocast: bool) -> tuple[Any, ...] | str:
+    """input, the two factors, beta, alpha and the compute dtype of an addmm-style call
+    (``beta * input + alpha * product``), or why the call is left alone."""
+    operands = _bind_operands(args, kwargs, names, ("beta", "alpha"), autocast=autocast)
     if isinstance(operands, str):
         return operands
     bound, dtype = operands
-    beta, alpha = bound.get("beta", 1), bound.get("alpha", 1)
-    bias, a, b = bound.get("input"), bound.get("mat1"), bound.get("mat2")
+    return (*(bound.get(name) for name in names), bound.get("beta", 1), bound.get("alpha", 1),
+            dtype)
+
+
+def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    operands = _bind_scaled_sum(args, kwargs, ("input", "mat1", "mat2"), autocast)
+    if isinstance(operands, str):
+        return operands
+    bias, a, b, beta, alpha, dtype = operands
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
     m, k = a.shape
@@ -284,13 +293,10 @@ def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str
 
 
 def _plan_baddbmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
-    operands = _bind_operands(args, kwargs, ("input", "batch1", "batch2"), ("beta", "alpha"),
-                              autocast=autocast)
+    operands = _bind_scaled_sum(args, kwargs, ("input", "batch1", "batch2"), autocast)
     if isinstance(operands, str):
         return operands
-    bound, dtype = operands
-    beta, alpha = bound.get("beta", 1), bound.get("alpha", 1)
-    c, a, b = bound.get("input"), bound.get("batch1"), bound.get("batch2")
+    c, a, b, beta, alpha, dtype = operands
     if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
             or a.shape[2] != b.shape[1]):
         return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
