@@ -29,6 +29,9 @@ PLANS = {
     "portable-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3),
     "tma": tuning.MMPlan("tma", SMALL_TILE),
     "tma-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3),
+    # The interpreter counts 4 SMs: outputs of more than 4 tiles run whole waves unsplit.
+    "portable-tail-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_tail=True),
+    "tma-tail-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_tail=True),
     "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
                                  epilogue_subtile=2),
 }
@@ -70,9 +73,11 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
             assert rel_error(out, ref) <= budget, f"{layout} {m}x{n}x{k}"
 
 
-@pytest.mark.parametrize("plan", ["portable-split3", "tma-split3"])
+@pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
+                                  "tma-tail-split3"])
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
-    a = randn((21, 200), torch.float32, device)
+    # 3 x 2 tiles: the tail-split plans split 2 of them (the interpreter counts 4 SMs).
+    a = randn((40, 200), torch.float32, device)
     b = randn((200, 50), torch.float32, device)
     bias = randn((50,), torch.float32, device)
     first = _run(PLANS[plan], a, b, bias, "relu", torch.float32)
@@ -191,6 +196,34 @@ def test_compiled_tma_plan_matches_eager(plan):
     assert rel_error(eager, reference(x, w.t(), bias, "gelu") * 2) <= 1e-2
     assert torch.isfinite(compiled).all()
     torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["tma", "portable"])
+def test_tail_split_on_gpu_matches_float64_and_compiles_to_the_same_bits(kernel):
+    """More tiles than SMs: whole waves unsplit, the last wave's tiles split along K (two
+    launches and the reduction), eager and under torch.compile."""
+    from torch_triton_gemm.device import num_sms
+
+    plan = tuning.MMPlan(kernel, tuning.TileConfig(128, 128, 64, 8, 8, 4), split_k=3,
+                         split_tail=True, epilogue_subtile=2 if kernel == "tma" else 1)
+    sms = num_sms(torch.device("cuda"))
+    m = 128 * (sms // 8 + 1) - 37  # (sms // 8 + 1) x 8 tiles: one whole wave and a tail
+    x = randn((m, 1024), torch.bfloat16, "cuda")
+    w = randn((8 * 128 - 5, 1024), torch.bfloat16, "cuda")
+    bias = randn((w.shape[0],), torch.bfloat16, "cuda")
+
+    def f(x, w, bias):
+        return tg.mm(x, w.t(), bias, "silu")
+
+    torch._dynamo.reset()
+    with tuning.force_plan(plan):
+        eager = f(x, w, bias)
+        again = f(x, w, bias)
+        compiled = torch.compile(f, fullgraph=True)(x, w, bias)
+    assert rel_error(eager, reference(x, w.t(), bias, "silu")) <= 1e-2
+    assert torch.equal(eager, again)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -614,7 +614,7 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
           compiled.metadata.shared > 0)
 
 # fp8 recipes on the shared persistent TMA kernel (outer: rowwise / tensorwise scales).
-gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT_K=1, A_M_CONTIGUOUS=False,
+gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=False, A_M_CONTIGUOUS=False,
             B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False)
 compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
             SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, **gemm)

@@ -49,6 +49,9 @@ class MMPlan:
     split_k: int = 1
     warp_specialize: bool = False
     epilogue_subtile: int = 1  # TMA stores of C in this many column slices
+    # Split only the tiles of the last, partial wave of SMs (the others run whole): that wave's
+    # K splits then spread over every SM instead of leaving most of them idle.
+    split_tail: bool = False
 
 
 # Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
@@ -127,6 +130,18 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     k_steps = -(-k // block_k)
     k_per_split = -(-k_steps // split_k) * block_k
     return -(-k // k_per_split), k_per_split
+
+
+def split_tiles(tiles: int, split_k: int, split_tail: bool, num_sms: int) -> tuple[int, int]:
+    """(tiles computed whole, K splits of the others) for an output of ``tiles`` tiles: with
+    ``split_tail`` the whole waves of ``num_sms`` tiles run unsplit and only the rest is split
+    (no split when nothing is left over), else every tile is split."""
+    if split_k <= 1:
+        return tiles, 1
+    dp_tiles = tiles // num_sms * num_sms if split_tail else 0
+    if dp_tiles == tiles:
+        return tiles, 1
+    return dp_tiles, split_k
 
 
 def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
@@ -286,14 +301,16 @@ def symbolic_mm_plan(element_size: int) -> MMPlan:
     return MMPlan("portable", symbolic_tile(element_size))
 
 
-def reduce_tile(m: int, n: int, num_sms: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the split-K reduction: it reads every split's partial
-    tile, so it is memory-bound and wants at least one program per SM; tiles shrink (columns
-    first, to 32; then rows, to 8) until the output gives that many."""
+def reduce_tile(split_tiles: int, tile_m: int, tile_n: int,
+                num_sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the split-K reduction of ``split_tiles`` GEMM tiles of
+    [tile_m, tile_n]: it reads every split's partial, so it is memory-bound and wants at least
+    one program per SM; blocks shrink (columns first, to 32; then rows, to 8) until the split
+    tiles give that many."""
     if _device.interpreter_enabled():
-        return 32, 32, 4
-    block_m, block_n = 32, 128
-    while -(-m // block_m) * -(-n // block_n) < num_sms:
+        return min(32, tile_m), min(32, tile_n), 4
+    block_m, block_n = min(32, tile_m), min(128, tile_n)
+    while split_tiles * (tile_m // block_m) * (tile_n // block_n) < num_sms:
         if block_n > 32:
             block_n //= 2
         elif block_m > 8:
@@ -336,12 +353,12 @@ def tile_meta(tile: TileConfig) -> Mapping[str, Any]:
 
 
 @functools.cache
-def launch_meta(plan: MMPlan, split_k: int,
+def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False)) -> Mapping[str, Any]:
-    """Meta-parameters launching ``plan``'s kernel with ``split_k`` splits and the scaling
-    recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM); built once, read-only."""
+    """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), and the
+    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM); built once, read-only."""
     meta: dict[str, Any] = {
-        **tile_meta(plan.tile), "SPLIT_K": split_k,
+        **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
         "FAST_ACCUM": scaling[3],
     }

@@ -2,9 +2,13 @@
 strides and sizes, unscaled or fp8 with tensor, row or block scales (SCALING).
 
 ``mm_kernel`` runs everywhere (any GPU, any alignment, Triton's CPU interpreter); the persistent
-``mm_tma_kernel`` is the Hopper path for operands TMA can describe. Both can split K: each split
-then writes an fp32 partial tile and ``splitk_reduce_kernel`` adds the partials in a fixed order
-(the same bits every run) and applies the epilogue once.
+``mm_tma_kernel`` is the Hopper path for operands TMA can describe. Both can split K: a launch
+with SPLIT cuts every tile of C from ``first_tile`` on (in L2-grouped order) into K splits, each
+writing an fp32 partial tile into a workspace of [splits x split tiles, BLOCK_M, BLOCK_N], and
+``splitk_reduce_kernel`` adds the partials in a fixed order (the same bits every run) and
+applies the epilogue once. A tail split runs the tiles before ``first_tile`` (whole waves of
+SMs) in a launch without SPLIT first, and splits only the last, partial wave's tiles, which then
+spread over every SM instead of leaving most of them idle.
 """
 
 import triton
@@ -23,52 +27,93 @@ from .tma import load_operand, operand_descriptor
 
 
 @triton.jit
-def store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64: tl.constexpr):
-    """Store one split's fp32 partial tile into the [SPLIT_K, M, N] workspace."""
-    ws_split = ws_ptr + widen(split, INDEX_64) * M * N
-    store_epilogue(acc, ws_split, ws_ptr, offs_m, offs_n, M, N, N, 1, 0, False, "none")
+def work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """(tile of C, first K index, K length) of work unit ``unit`` (also a split's workspace
+    slot). Whole tiles: tile ``first_tile + unit``, all of K. SPLIT: every tile from
+    ``first_tile`` on is cut into K splits of ``k_per_split``, and units run split-major, so
+    neighbouring programs read neighbouring tiles' same K range (L2 reuse)."""
+    if SPLIT:
+        split_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) - first_tile
+        k_start = unit // split_tiles * k_per_split
+        return first_tile + unit % split_tiles, k_start, tl.minimum(k_per_split, K - k_start)
+    else:
+        return first_tile + unit, unit * 0, K
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
+def store_partial(acc, ws_ptr, slot, offs_m, offs_n, M, N,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """Store a K split's fp32 partial tile into its workspace slot (rows and columns past M and
+    N are not stored, nor read back). Tiles go out in slices of at most 64 columns: moving a
+    whole fp32 tile out of the tensor cores' layout would take as much shared memory as the
+    pipeline's buffers."""
+    ws_tile = ws_ptr + widen(slot, INDEX_64) * (BLOCK_M * BLOCK_N)
+    store_partial_slice(acc, ws_tile, 0, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, BLOCK_N)
+
+
+@triton.jit
+def column_halves(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """The left and right halves of a [ROWS, COLUMNS] tile."""
+    return tl.split(tl.reshape(x, (ROWS, 2, COLUMNS // 2)).permute(0, 2, 1))
+
+
+@triton.jit
+def store_partial_slice(acc, ws_tile, first, offs_m, offs_n, M, N, BLOCK_M: tl.constexpr,
+                        COLUMNS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store columns [first, first + COLUMNS) of a partial tile (halving wider slices)."""
+    if COLUMNS > 64:
+        half: tl.constexpr = COLUMNS // 2
+        acc0, acc1 = column_halves(acc, BLOCK_M, COLUMNS)
+        offs0, offs1 = tl.split(tl.reshape(offs_n, (2, half)).permute(1, 0))
+        store_partial_slice(acc0, ws_tile, first, offs_m, offs0, M, N, BLOCK_M, half, BLOCK_N)
+        store_partial_slice(acc1, ws_tile, first + half, offs_m, offs1, M, N, BLOCK_M, half,
+                            BLOCK_N)
+    else:
+        ptrs = (ws_tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
+                + (first + tl.arange(0, COLUMNS))[None, :])
+        tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M", "first_tile", "units"])
 def mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
-    k_per_split,
+    k_per_split, first_tile, units,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    SPLIT_K: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # One program computes one [BLOCK_M, BLOCK_N] tile of C over one K split; programs walk the
-    # tiles in GROUP_M-row bands for L2 reuse, split-major. The K loop streams A and B tiles
-    # through a num_stages-deep software pipeline into an fp32 accumulator; the epilogue adds
-    # bias, applies the activation and casts to C's dtype (or, split, stores the fp32 partial).
-    # Rows and columns past M / N are read wrapped (modulo) so the loads need no masks, and only
-    # the store is masked. M is not specialised on: a serving loop's every batch size reuses one
-    # compiled kernel.
-    pid = tl.program_id(axis=0)
-    tiles_mn = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    split = pid // tiles_mn
-    pid_m, pid_n = grouped_tile(pid % tiles_mn, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
+    # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
+    # reuse. The K loop streams A and B tiles through a num_stages-deep software pipeline into
+    # an fp32 accumulator; the epilogue adds bias, applies the activation and casts to C's
+    # dtype (a split stores its fp32 partial instead). Rows and columns past M / N are read
+    # wrapped (modulo) so the loads need no masks, and only the stores are masked. M is not
+    # specialised on: a serving loop's every batch size reuses one compiled kernel.
+    unit = tl.program_id(axis=0)
+    tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
+                                     SPLIT)
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = widen(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
     offs_n = widen(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
-    k_start = widen(split * k_per_split, INDEX_64)
+    k_start = widen(k_start, INDEX_64)
     rows = offs_m % M
     cols = offs_n % N
     acc = k_loop(
-        a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start,
-        tl.minimum(k_per_split, K - k_start),
+        a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start, k_len,
         stride_am, stride_ak, stride_bk, stride_bn,
         sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
         SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
     )
     acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
-    if SPLIT_K > 1:
-        store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64)
+    if SPLIT:
+        store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
     else:
         store_epilogue(
             acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
@@ -76,29 +121,30 @@ def mm_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "first_tile", "units"])
 def mm_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
-    k_per_split,
+    k_per_split, first_tile, units,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    SPLIT_K: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Persistent: one program per SM, each looping over work units (tile of C x K split) in
-    # L2-grouped order, stepping by the number of programs, so no wave of programs is left
-    # half-empty and one unit's epilogue overlaps the next unit's first loads. A and B tiles
-    # arrive by TMA (zero-filled past the edges, so no masks) through a software pipeline of
-    # num_stages buffers, optionally with producer/consumer warp specialization. The epilogue
-    # adds bias and applies the activation in fp32, casts, and stores by TMA in
-    # EPILOGUE_SUBTILE column slices (or with masked pointers when C cannot be described; an
-    # fp32 partial when K is split).
+    # Persistent: one program per SM, each looping over the ``units`` work units (see
+    # work_unit) in L2-grouped order, stepping by the number of programs, so no wave of
+    # programs is left half-empty and one unit's epilogue overlaps the next unit's first loads.
+    # Every unit runs the same number of K steps, which lets Triton flatten the loop nest into
+    # one software pipeline. A and B tiles arrive by TMA (zero-filled past the edges, so no
+    # masks; a split's last steps may pass K) through num_stages buffers, optionally with
+    # producer/consumer warp specialization. The epilogue adds bias and applies the activation
+    # in fp32, casts, and stores by TMA in EPILOGUE_SUBTILE column slices (or with masked
+    # pointers when C cannot be described; an fp32 partial for a split).
     # The runtime arguments match mm_kernel's, so both launch from one argument tuple.
     start = tl.program_id(axis=0)
     a_desc = operand_descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K,
@@ -108,15 +154,13 @@ def mm_tma_kernel(
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
-    tiles_mn = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
-    for unit in tl.range(start, tiles_mn * SPLIT_K, tl.num_programs(axis=0), flatten=True,
+    for unit in tl.range(start, units, tl.num_programs(axis=0), flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
-        split = unit // tiles_mn
-        pid_m, pid_n = grouped_tile(unit % tiles_mn, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        tile, k, _ = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N, SPLIT)
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        k = split * k_per_split
         offs_m = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
         offs_n = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
         rows = offs_m % M  # scale lookups of edge tiles stay inside the scale tensors
@@ -130,14 +174,13 @@ def mm_tma_kernel(
                              UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
             k += BLOCK_K
         acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
-        if SPLIT_K > 1:
-            store_partial(acc, ws_ptr, split, offs_m, offs_n, M, N, INDEX_64)
+        if SPLIT:
+            store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
         elif C_TMA:
             acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
             c = acc.to(c_ptr.dtype.element_ty)
             if EPILOGUE_SUBTILE == 2:
-                c = tl.reshape(c, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1)
-                c0, c1 = tl.split(c)
+                c0, c1 = column_halves(c, BLOCK_M, BLOCK_N)
                 c_desc.store([off_m, off_n], c0)
                 c_desc.store([off_m, off_n + BLOCK_N // 2], c1)
             else:
@@ -149,24 +192,33 @@ def mm_tma_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_tile", "split_k"])
 def splitk_reduce_kernel(
-    ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias,
+    ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, first_tile, split_k,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_M: tl.constexpr, TILE_N: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # One program sums the SPLIT_K fp32 partials of one [BLOCK_M, BLOCK_N] tile of the
-    # [SPLIT_K, M, N] workspace in split order (deterministic: no atomics), then runs the
-    # epilogue (bias, activation, cast, masked store) once.
+    # One program sums the split_k fp32 partials of one [BLOCK_M, BLOCK_N] block of one split
+    # [TILE_M, TILE_N] tile of C (the GEMM's tiles, in its order) in split order (deterministic:
+    # no atomics), then runs the epilogue (bias, activation, cast, masked store) once.
     pid = tl.program_id(axis=0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_m = widen((pid // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
-    offs_n = widen((pid % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
+    blocks_n: tl.constexpr = TILE_N // BLOCK_N
+    blocks: tl.constexpr = (TILE_M // BLOCK_M) * blocks_n
+    index = pid // blocks
+    block = pid % blocks
+    pid_m, pid_n = grouped_tile(first_tile + index, M, N, TILE_M, TILE_N, GROUP_M)
+    in_m = (block // blocks_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_n = (block % blocks_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = widen(pid_m * TILE_M + in_m, INDEX_64)
+    offs_n = widen(pid_n * TILE_N + in_n, INDEX_64)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-    split_stride = widen(M, INDEX_64) * N
+    tile_size: tl.constexpr = TILE_M * TILE_N
+    ptrs = ws_ptr + widen(index, INDEX_64) * tile_size + in_m[:, None] * TILE_N + in_n[None, :]
+    split_tiles = tl.cdiv(M, TILE_M) * tl.cdiv(N, TILE_N) - first_tile
+    split_stride = widen(split_tiles, INDEX_64) * tile_size
     acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):
+    for split in range(1, split_k):
         acc += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
     store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
                    HAS_BIAS, ACTIVATION)

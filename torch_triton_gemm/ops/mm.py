@@ -280,16 +280,16 @@ _NO_SCALES = ((0, 0, 0, 0), ("none", 1, 1, False))
 
 
 class PreparedLaunch(NamedTuple):
-    """Everything a GEMM launch needs but the tensors: kernel, grid, meta-parameters, the
-    runtime arguments after the tensor pointers, and the split-K reduction if any."""
+    """Everything a GEMM launch needs but the tensors: kernel, its launches (grid, meta-
+    parameters, the runtime arguments after the tensor pointers; a tail split has two), and the
+    split-K reduction if any."""
     kernel: Any
-    grid: tuple[int]
-    meta: Mapping[str, Any]
-    runtime_args: tuple[Any, ...]
+    launches: tuple[tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]], ...]
     workspace_shape: tuple[Any, ...] | None
     reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
-    # Compiled kernels of eager launches, for the GEMM and the reduction (see _launch_compiled).
-    compiled: tuple[dict[Any, Any], dict[Any, Any]]
+    # Compiled kernels of eager launches, one cache per launch and the reduction's last (see
+    # _launch_compiled).
+    compiled: tuple[dict[Any, Any], ...]
 
 
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -342,45 +342,59 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         # nothing guards on them; the portable kernel takes any strides.
         plan = tuning.symbolic_mm_plan(a.element_size())
         split_k, k_per_split = 1, K
+    tile = plan.tile
+    tiles = ((M + tile.block_m - 1) // tile.block_m) * ((N + tile.block_n - 1) // tile.block_n)
+    whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, _num_sms(device))
+    split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
     index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
-                                      (M, N, stride_cm, stride_cn), (split_k * M, N, N, 1)))
+                                      (M, N, stride_cm, stride_cn),
+                                      (split_units * tile.block_m, tile.block_n, tile.block_n, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
     if scales is None:
         scale_strides, scaling = _NO_SCALES
     else:
         scale_strides = scales.strides
         scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
-    meta = tuning.launch_meta(plan, split_k, scaling)
-    tiles = ((M + plan.tile.block_m - 1) // plan.tile.block_m) * (
-        (N + plan.tile.block_n - 1) // plan.tile.block_n)
     if plan.kernel == "tma":
         _device.install_tma_allocator()
         strides, flags = tma_args
         kernel = mm_tma_kernel
-        grid = (min(_num_sms(device), tiles * split_k),)
-        meta = {**meta, **flags}
     else:
-        strides = (stride_am, stride_ak, stride_bk, stride_bn)
+        strides, flags = (stride_am, stride_ak, stride_bk, stride_bn), {}
         kernel = mm_kernel
-        grid = (tiles * split_k,)
-    # Runtime arguments after the tensors (a, b, out, bias, workspace, scale_a, scale_b), in
-    # the kernels' shared order; the plan's meta-parameters come after them.
-    runtime_args = (
-        M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
-        bias is not None, activation, _input_precision(a.dtype),
-        _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
-    )
+
+    def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
+                    ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
+        # Runtime arguments after the tensors (a, b, out, bias, workspace, scale_a, scale_b),
+        # in the kernels' shared order; the plan's meta-parameters come after them.
+        runtime_args = (
+            M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
+            first_tile, units, bias is not None, activation, _input_precision(a.dtype),
+            _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
+        )
+        meta = tuning.launch_meta(plan, split, scaling)
+        grid = (min(_num_sms(device), units),) if kernel is mm_tma_kernel else (units,)
+        return grid, {**meta, **flags} if flags else meta, runtime_args
+
+    launches = []
+    if split_k == 1 or whole_tiles > 0:  # (split_k first: no guard on symbolic sizes)
+        launches.append(gemm_launch(0, whole_tiles, False, K))
     reduce = None
     if split_k > 1:
-        block_m, block_n, num_warps = tuning.reduce_tile(M, N, _num_sms(device))
+        launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
+        block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
+                                                         tile.block_n, _num_sms(device))
+        blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
         reduce = (
-            (((M + block_m - 1) // block_m) * ((N + block_n - 1) // block_n),),
-            (M, N, stride_cm, stride_cn, stride_bias, bias is not None, activation, index_64),
-            {"SPLIT_K": split_k, "BLOCK_M": block_m, "BLOCK_N": block_n,
-             "num_warps": num_warps},
+            ((tiles - whole_tiles) * blocks,),
+            (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, split_k, bias is not None,
+             activation, index_64),
+            {"TILE_M": tile.block_m, "TILE_N": tile.block_n, "GROUP_M": tile.group_m,
+             "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps},
         )
-    return PreparedLaunch(kernel, grid, meta, runtime_args,
-                          (split_k, M, N) if split_k > 1 else None, reduce, ({}, {}))
+    workspace = (split_units, tile.block_m, tile.block_n) if split_k > 1 else None
+    return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
+                          tuple({} for _ in range(len(launches) + 1)))
 
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
@@ -393,14 +407,14 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     if prepared.workspace_shape is not None:
         workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
     scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
-    gemm_cache, reduce_cache = prepared.compiled
-    _launch(prepared.kernel, prepared.grid,
-            (a, b, out, bias, workspace, scale_a, scale_b, *prepared.runtime_args),
-            prepared.meta, traceable, gemm_cache, 7)
+    for (grid, meta, runtime_args), cache in zip(prepared.launches, prepared.compiled):
+        _launch(prepared.kernel, grid,
+                (a, b, out, bias, workspace, scale_a, scale_b, *runtime_args), meta, traceable,
+                cache, 7)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         _launch(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
-                traceable, reduce_cache, 3)
+                traceable, prepared.compiled[-1], 3)
 
 
 def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
