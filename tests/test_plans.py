@@ -104,6 +104,49 @@ def test_force_plan_reaches_the_public_function(device):
     assert rel_error(out, reference(a, b)) <= 1e-2
 
 
+@pytest.mark.parametrize("layout", ["row", "col", "nt", "sliced", "broadcast"])
+def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(device, layout,
+                                                                            monkeypatch):
+    """Row pitches of 37 and 45 bf16 elements (74 and 90 bytes: not multiples of 16), sliced
+    views with unaligned bases, stride-0 broadcasts: above PAD_MIN_SIZE the heuristic's TMA
+    plan runs on padded copies (the sizes here are CI-sized: the threshold is lowered), with
+    the bias, the activation and the gradients right."""
+    from torch_triton_gemm.ops import mm as mmod
+
+    monkeypatch.setattr(mmod._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(mmod, "PAD_MIN_SIZE", 0)
+    monkeypatch.setattr(tuning, "heuristic_mm_plan", lambda *args, **kwargs: PLANS["tma"])
+    monkeypatch.setattr(mmod, "_PLANS", {})
+    monkeypatch.setattr(mmod, "_EAGER_LAUNCHES", {})
+    a = make_operand(33, 37, torch.bfloat16, device, layout, "a").requires_grad_()
+    b = make_operand(37, 45, torch.bfloat16, device, layout, "b").requires_grad_()
+    bias = randn((45,), torch.bfloat16, device)
+    out = a.new_empty((33, 45))
+    prepared = mmod.prepare_launch(a.detach(), b.detach(), bias, out, "leaky_relu", False,
+                                   None, None)
+    assert prepared.kernel is mmod.mm_tma_kernel and prepared.pads is not None
+    result = tg.mm(a, b, bias, "leaky_relu")
+    ref = reference(a.detach(), b.detach(), bias, "leaky_relu")
+    assert rel_error(result, ref) <= 1e-2
+    grad = randn(result.shape, torch.bfloat16, device)
+    result.backward(grad)
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    torch.nn.functional.leaky_relu(a64 @ b64 + bias.double()).backward(grad.double())
+    assert rel_error(a.grad, a64.grad) <= 1e-2 and rel_error(b.grad, b64.grad) <= 1e-2
+
+
+def test_small_products_and_forced_plans_read_unaligned_operands_in_place(device, monkeypatch):
+    from torch_triton_gemm.ops import mm as mmod
+
+    monkeypatch.setattr(mmod._device, "supports_tma", lambda device: True)
+    a = randn((33, 37), torch.bfloat16, device)
+    b = randn((45, 37), torch.bfloat16, device).t()
+    out = a.new_empty((33, 45))
+    small = mmod.prepare_launch(a, b, None, out, "none", False, None, None)
+    forced = mmod.prepare_launch(a, b, None, out, "none", False, PLANS["tma"], None)
+    assert small.pads is None and forced.pads is None and forced.kernel is mmod.mm_kernel
+
+
 # --- plan arithmetic ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("k, block_k, asked, expected", [
