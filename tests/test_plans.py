@@ -104,8 +104,9 @@ def test_force_plan_reaches_the_public_function(device):
     assert rel_error(out, reference(a, b)) <= 1e-2
 
 
+@pytest.mark.parametrize("plan", ["tma", "portable-split3"])
 @pytest.mark.parametrize("layout", ["row", "col", "nt", "sliced", "broadcast"])
-def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(device, layout,
+def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(device, layout, plan,
                                                                             monkeypatch):
     """Row pitches of 37 and 45 bf16 elements (74 and 90 bytes: not multiples of 16), sliced
     views with unaligned bases, stride-0 broadcasts: above PAD_MIN_SIZE the heuristic's TMA
@@ -115,7 +116,8 @@ def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(devic
 
     monkeypatch.setattr(mmod._device, "supports_tma", lambda device: True)
     monkeypatch.setattr(mmod, "PAD_MIN_SIZE", 0)
-    monkeypatch.setattr(tuning, "heuristic_mm_plan", lambda *args, **kwargs: PLANS["tma"])
+    monkeypatch.setattr(mmod, "PAD_MIN_SIDE", 0)
+    monkeypatch.setattr(tuning, "heuristic_mm_plan", lambda *args, **kwargs: PLANS[plan])
     monkeypatch.setattr(mmod, "_PLANS", {})
     monkeypatch.setattr(mmod, "_EAGER_LAUNCHES", {})
     a = make_operand(33, 37, torch.bfloat16, device, layout, "a").requires_grad_()
@@ -124,7 +126,8 @@ def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(devic
     out = a.new_empty((33, 45))
     prepared = mmod.prepare_launch(a.detach(), b.detach(), bias, out, "leaky_relu", False,
                                    None, None)
-    assert prepared.kernel is mmod.mm_tma_kernel and prepared.pads is not None
+    kernel = mmod.mm_tma_kernel if plan == "tma" else mmod.mm_kernel
+    assert prepared.kernel is kernel and prepared.pads is not None
     result = tg.mm(a, b, bias, "leaky_relu")
     ref = reference(a.detach(), b.detach(), bias, "leaky_relu")
     assert rel_error(result, ref) <= 1e-2

@@ -55,7 +55,8 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     N = b.shape[1]
     tma = _mm._tma_arguments(a, b, out) is not None and _device.supports_tma(device)
     timings = []
-    for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device)):
+    for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
+                                       a_k_contiguous=a.stride(1) == 1):
         def run(plan: tuning.MMPlan = plan) -> None:
             _mm.launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 

@@ -203,12 +203,16 @@ def _tma_arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 # --- padded copies for TMA ----------------------------------------------------------------------
 # An operand TMA cannot describe (a row pitch that is not a multiple of 16 bytes, as in
-# 999 x 1007 bf16, or an unaligned base) would send a large product to the portable kernel, which
-# loads it element by element. Copying it into a buffer whose rows start every PAD_BYTES bytes
-# costs one pass over it; on an H100 the persistent TMA kernel then ran 999^3 to 2047^3 products
-# 1.4-2x faster, copies included. Small products keep the portable kernel.
+# 999 x 1007 bf16, or an unaligned base) would send a large product to the portable kernel
+# reading it without vector loads. Copying it into a buffer whose rows start every PAD_BYTES
+# bytes costs one pass over it; on an H100, 1000^3 to 2048^3 products with odd sizes then ran
+# 1.3-2x faster, copies included (rows at 128 bytes beat 16). Small products read the operands
+# as they are.
 PAD_BYTES = 128
 PAD_MIN_SIZE = 1 << 27  # M * N * K
+# Each copied element must be reused by many output tiles: skinny products (decode) are bound
+# by reading the operands once, and a copy would double that.
+PAD_MIN_SIDE = 512
 
 
 class Pad(NamedTuple):
@@ -268,7 +272,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
             return tune_mm(a, b, bias, activation)[0]
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
-                                        out_size)
+                                        out_size, a_k_contiguous=bool(layout & 2))
     if len(_PLANS) >= _PLANS_LIMIT:
         _PLANS.clear()
     _PLANS[memo_key] = plan
@@ -382,7 +386,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         if tma_args is not None and not tma_ready:
             tma_args = None
         if (tma_args is None and plan is None and tuning.forced_plan() is None
-                and _device.supports_tma(device) and M * N * K >= PAD_MIN_SIZE):
+                and _device.supports_tma(device) and M * N * K >= PAD_MIN_SIZE
+                and min(M, N) >= PAD_MIN_SIDE):
             pads = _pads(a, b)
             tma_args = _tma_arguments(a, b, out, pads)
             if tma_args is None:
@@ -395,8 +400,12 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
-        if plan.kernel != "tma" and pads != (None, None):
-            pads = (None, None)  # the portable kernel reads the operands as they are
+        # Padded copies are read by whichever kernel the plan picked (aligned rows load in
+        # vectors on the portable kernel too).
+        if pads[0] is not None:
+            stride_am, stride_ak = pads[0].strides()
+        if pads[1] is not None:
+            stride_bk, stride_bn = pads[1].strides()
         if scales is not None:
             plan = tuning.scaled_plan(plan, scales.mode, scales.fast_accum)
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
