@@ -32,6 +32,8 @@ PLANS = {
     # The interpreter counts 4 SMs: outputs of more than 4 tiles run whole waves unsplit.
     "portable-tail-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_tail=True),
     "tma-tail-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_tail=True),
+    # 128 columns: partial tiles go out in 64-column slices.
+    "tma-wide-split3": tuning.MMPlan("tma", tuning.TileConfig(16, 128, 32, 1, 4, 2), split_k=3),
     "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
                                  epilogue_subtile=2),
 }
@@ -74,12 +76,13 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
 
 
 @pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
-                                  "tma-tail-split3"])
+                                  "tma-tail-split3", "tma-wide-split3"])
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
-    # 3 x 2 tiles: the tail-split plans split 2 of them (the interpreter counts 4 SMs).
+    # 3 x 3 tiles of 16 x 32: the tail-split plans split 1 of them (the interpreter counts 4
+    # SMs); 3 x 1 tiles of 16 x 128, whose partials go out in two column slices.
     a = randn((40, 200), torch.float32, device)
-    b = randn((200, 50), torch.float32, device)
-    bias = randn((50,), torch.float32, device)
+    b = randn((200, 90), torch.float32, device)
+    bias = randn((90,), torch.float32, device)
     first = _run(PLANS[plan], a, b, bias, "relu", torch.float32)
     # relu(x + bias) applied per split and summed would differ from relu of the sum.
     assert rel_error(first, reference(a, b, bias, "relu")) <= 2e-3
