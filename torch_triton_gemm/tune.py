@@ -53,10 +53,12 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     out = _mm._mm_fake(a, b, bias, activation, None)
     M, K = a.shape
     N = b.shape[1]
-    tma = _mm._tma_arguments(a, b, out) is not None and _device.supports_tma(device)
+    # The operands as the kernels will see them (padded copies included), as the op plans.
+    tma_args, _, (_, stride_ak, stride_bk, _) = _mm.kernel_operands(a, b, out)
+    tma = tma_args is not None and _device.supports_tma(device)
     timings = []
     for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
-                                       a_k_contiguous=a.stride(1) == 1):
+                                       a_k_contiguous=stride_ak == 1):
         def run(plan: tuning.MMPlan = plan) -> None:
             _mm.launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 
@@ -69,7 +71,7 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
     _mm._check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
     best = timed[0].plan
-    key = tuning.plan_key(M, N, K, a.dtype, _mm._layout_key(a.stride(1), b.stride(0)), tma)
+    key = tuning.plan_key(M, N, K, a.dtype, _mm._layout_key(stride_ak, stride_bk), tma)
     tuning.TUNED.put(device, key, best)
     return best, timed + [t for t in timings if t.ms is None]
 

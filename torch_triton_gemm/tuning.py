@@ -133,6 +133,17 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return -(-k // k_per_split), k_per_split
 
 
+def _most_splits(k: int, block_k: int) -> int:
+    """The most K splits that keep MIN_K_STEPS_PER_SPLIT BLOCK_K steps each (at most
+    MAX_SPLIT_K)."""
+    return min(MAX_SPLIT_K, -(-k // block_k) // MIN_K_STEPS_PER_SPLIT)
+
+
+def _wave_fill(units: int, num_sms: int) -> float:
+    """The busy fraction of the SM waves that ``units`` equal work units take."""
+    return units / (-(-units // num_sms) * num_sms)
+
+
 def split_tiles(tiles: int, split_k: int, split_tail: bool, num_sms: int) -> tuple[int, int]:
     """(tiles computed whole, K splits of the others) for an output of ``tiles`` tiles: with
     ``split_tail`` the whole waves of ``num_sms`` tiles run unsplit and only the rest is split
@@ -157,7 +168,7 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     if tiles >= 0.5 * num_sms:
         return 1
-    most = min(MAX_SPLIT_K, -(-k // tile.block_k) // MIN_K_STEPS_PER_SPLIT)
+    most = _most_splits(k, tile.block_k)
     operand_bytes = (m * k + k * n) * element_size
     best, best_fill = 1, 0.0
     for split in range(1, most + 1):
@@ -166,7 +177,7 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
                 0.25 * operand_bytes):
             break
         units = tiles * split
-        fill = units / (-(-units // num_sms) * num_sms)
+        fill = _wave_fill(units, num_sms)
         if fill >= 0.9:
             return split
         if fill > best_fill:
@@ -260,10 +271,10 @@ def _decode_tile_and_split(n: int, k: int, element_size: int,
     def option(tile: TileConfig) -> tuple[tuple[float, bool, int], TileConfig, int]:
         tile = _for_dtype(tile, element_size)
         tiles = -(-n // tile.block_n)
-        most = min(MAX_SPLIT_K, -(-k // tile.block_k) // MIN_K_STEPS_PER_SPLIT)
+        most = _most_splits(k, tile.block_k)
         split = max(1, min(most, num_sms // tiles))
         units = tiles * split
-        fill = units / (-(-units // num_sms) * num_sms)
+        fill = _wave_fill(units, num_sms)
         return (round(fill, 2), split == 1, tile.block_n), tile, split
 
     _, tile, split = max((option(t) for t in DECODE_TILES), key=lambda o: o[0])
@@ -498,7 +509,7 @@ def _tail_split(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
     partial wave, or K too short to split)."""
     tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
     tail = tiles % num_sms
-    most = min(MAX_SPLIT_K, -(-k // tile.block_k) // MIN_K_STEPS_PER_SPLIT)
+    most = _most_splits(k, tile.block_k)
     if tiles < num_sms or tail == 0 or most < 2:
         return 1
     return max(1, min(most, num_sms // tail))

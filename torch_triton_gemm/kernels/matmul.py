@@ -192,16 +192,19 @@ def mm_tma_kernel(
             )
 
 
-@triton.jit(do_not_specialize=["first_tile", "split_k"])
+@triton.jit(do_not_specialize=["first_tile"])
 def splitk_reduce_kernel(
-    ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, first_tile, split_k,
+    ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, first_tile,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
-    TILE_M: tl.constexpr, TILE_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # One program sums the split_k fp32 partials of one [BLOCK_M, BLOCK_N] block of one split
+    # One program sums the SPLIT_K fp32 partials of one [BLOCK_M, BLOCK_N] block of one split
     # [TILE_M, TILE_N] tile of C (the GEMM's tiles, in its order) in split order (deterministic:
-    # no atomics), then runs the epilogue (bias, activation, cast, masked store) once.
+    # no atomics), then runs the epilogue (bias, activation, cast, masked store) once. SPLIT_K
+    # is a constant so that the loop unrolls and every partial's load is in flight at once: a
+    # runtime loop waited for each load in turn (128x128x32768, 60 splits: 0.78x cuBLAS
+    # against 0.92x).
     pid = tl.program_id(axis=0)
     blocks_n: tl.constexpr = TILE_N // BLOCK_N
     blocks: tl.constexpr = (TILE_M // BLOCK_M) * blocks_n
@@ -218,7 +221,7 @@ def splitk_reduce_kernel(
     split_tiles = tl.cdiv(M, TILE_M) * tl.cdiv(N, TILE_N) - first_tile
     split_stride = widen(split_tiles, INDEX_64) * tile_size
     acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in range(1, split_k):
+    for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
     store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
                    HAS_BIAS, ACTIVATION)

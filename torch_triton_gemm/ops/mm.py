@@ -233,6 +233,30 @@ class Pad(NamedTuple):
         return buffer.copy_(t)
 
 
+def kernel_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+                    ) -> tuple[tuple[tuple[int, ...], dict[str, bool]] | None,
+                               tuple[Pad | None, Pad | None], tuple[int, int, int, int]]:
+    """How the kernels see a and b (sizes known): the TMA kernel's arguments (None: portable
+    kernel only), the padded copies made first (see PAD_BYTES; any plan reads them), and the
+    strides (am, ak, bk, bn) the kernels read. Tuning keys its plans by the same view."""
+    device = a.device
+    strides = (*a.stride(), *b.stride())
+    tma_args = _tma_arguments(a, b, out)
+    # The interpreter runs the TMA kernel too (for tests), but only when a plan asks for it.
+    if not (_device.supports_tma(device) or _device.interpreter_enabled()):
+        return None, (None, None), strides
+    (M, K), N = a.shape, b.shape[1]
+    if (tma_args is None and _device.supports_tma(device) and M * N * K >= PAD_MIN_SIZE
+            and min(M, N) >= PAD_MIN_SIDE):
+        pads = _pads(a, b)
+        padded = _tma_arguments(a, b, out, pads)
+        if padded is not None:
+            a_strides = pads[0].strides() if pads[0] else strides[:2]
+            b_strides = pads[1].strides() if pads[1] else strides[2:]
+            return padded, pads, (*a_strides, *b_strides)
+    return tma_args, (None, None), strides
+
+
 def _pads(a: torch.Tensor, b: torch.Tensor) -> tuple[Pad | None, Pad | None]:
     """The padded copies a large product needs for the TMA kernel (None: used as it is)."""
     size = a.element_size()
@@ -343,10 +367,10 @@ class PreparedLaunch(NamedTuple):
     launches: tuple[tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]], ...]
     workspace_shape: tuple[Any, ...] | None
     reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
-    # Compiled kernels of eager launches, one cache per launch and the reduction's last (see
-    # _launch_compiled).
-    compiled: tuple[dict[Any, Any], ...]
     pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
+    # Compiled kernels, one cache per launch and the reduction's last (see _launch_compiled),
+    # for prepared launches that are kept and reused (memoised eager calls); else empty.
+    compiled: tuple[dict[Any, Any], ...] = ()
 
 
 def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -380,32 +404,14 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     tma_args = None
     pads = (None, None)
     if type(M) is int and type(N) is int and type(K) is int:
-        tma_args = _tma_arguments(a, b, out)
-        # The interpreter runs the TMA kernel too (for tests), but only when a plan asks for it.
-        tma_ready = _device.supports_tma(device) or _device.interpreter_enabled()
-        if tma_args is not None and not tma_ready:
-            tma_args = None
-        if (tma_args is None and plan is None and tuning.forced_plan() is None
-                and _device.supports_tma(device) and M * N * K >= PAD_MIN_SIZE
-                and min(M, N) >= PAD_MIN_SIDE):
-            pads = _pads(a, b)
-            tma_args = _tma_arguments(a, b, out, pads)
-            if tma_args is None:
-                pads = (None, None)
+        tma_args, pads, (stride_am, stride_ak, stride_bk, stride_bn) = kernel_operands(a, b, out)
         if plan is None:
-            layout = _layout_key(pads[0].strides()[1] if pads[0] else stride_ak,
-                                 pads[1].strides()[0] if pads[1] else stride_bk)
-            plan = _plan(a, b, bias, activation, out.element_size(), layout,
+            plan = _plan(a, b, bias, activation, out.element_size(),
+                         _layout_key(stride_ak, stride_bk),
                          tma_args is not None and _device.supports_tma(device), not traceable)
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
-        # Padded copies are read by whichever kernel the plan picked (aligned rows load in
-        # vectors on the portable kernel too).
-        if pads[0] is not None:
-            stride_am, stride_ak = pads[0].strides()
-        if pads[1] is not None:
-            stride_bk, stride_bn = pads[1].strides()
         if scales is not None:
             plan = tuning.scaled_plan(plan, scales.mode, scales.fast_accum)
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
@@ -428,7 +434,6 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         scale_strides = scales.strides
         scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
     if plan.kernel == "tma":
-        _device.install_tma_allocator()
         strides, flags = tma_args
         kernel = mm_tma_kernel
     else:
@@ -459,14 +464,14 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
         reduce = (
             ((tiles - whole_tiles) * blocks,),
-            (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, split_k, bias is not None,
+            (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, bias is not None,
              activation, index_64),
-            {"TILE_M": tile.block_m, "TILE_N": tile.block_n, "GROUP_M": tile.group_m,
-             "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps},
+            {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
+             "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
+             "num_warps": num_warps},
         )
     workspace = (split_units, tile.block_m, tile.block_n) if split_k > 1 else None
     return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
-                          tuple({} for _ in range(len(launches) + 1)),
                           None if pads == (None, None) else pads)
 
 
@@ -484,14 +489,15 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     if prepared.workspace_shape is not None:
         workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
     scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
-    for (grid, meta, runtime_args), cache in zip(prepared.launches, prepared.compiled):
+    caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
+    for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         _launch(prepared.kernel, grid,
                 (a, b, out, bias, workspace, scale_a, scale_b, *runtime_args), meta, traceable,
                 cache, 7)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         _launch(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
-                traceable, prepared.compiled[-1], 3)
+                traceable, caches[-1], 3)
 
 
 def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -591,6 +597,8 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
         prepared = None
         if out.numel() > 0:
             prepared = prepare_launch(a, b, bias, out, activation, False, None, None)
+            prepared = prepared._replace(
+                compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
         if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
             _EAGER_LAUNCHES.clear()
         _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.dtype, prepared)
