@@ -28,6 +28,14 @@ def device() -> str:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Compiled-code tests start and end with Dynamo's caches empty."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def highest_fp32():
     """IEEE fp32 products (no tf32) in aten and tgemm alike, for fp32's 1e-5 budget."""
     previous = torch.get_float32_matmul_precision()

@@ -39,7 +39,7 @@ from triton.runtime.jit import KernelInterface
 
 import torch_triton_gemm as tg
 import torch_triton_gemm.kernels
-from torch_triton_gemm.override import FAMILIES, GemmOverride
+from torch_triton_gemm.override import FAMILIES
 
 
 @functools.cache
@@ -257,10 +257,6 @@ def override_level(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def override_at(level: str) -> GemmOverride:
-    return tg.override() if level == "python" else tg.override(level=level)
-
-
 def families_left_to_pytorch(level: str, spec: ModelSpec, compiled: bool) -> frozenset[str]:
     """The families a routed run at ``level`` leaves to PyTorch by design.
 
@@ -317,7 +313,7 @@ def test_eager(name, dtype, override_level, device, highest_fp32):
     spec = MODELS[name]
     model, routed_model, tokens = model_pair(name, TINY, device, dtype)
     expected = forward_backward(model, model, tokens)
-    with override_at(override_level) as ov:
+    with tg.override(level=override_level) as ov:
         got = forward_backward(routed_model, routed_model, tokens)
     assert_close_results(got, expected, dtype)
     # Every GEMM entry point the models call is routed: no fall-through at all (the override
@@ -335,7 +331,7 @@ def test_eager(name, dtype, override_level, device, highest_fp32):
     # off their eager fast path, so the results above come from a step without one.
     with GemmWitness() as plain_witness:
         forward_backward(model, model, tokens)
-    with override_at(override_level), GemmWitness() as witness:
+    with tg.override(level=override_level), GemmWitness() as witness:
         forward_backward(routed_model, routed_model, tokens)
     assert plain_witness.aten >= aten_gemms_of(spec.families) | {"mm"}, plain_witness.aten
     # On CUDA, float32 attention takes SDPA's math path, whose products are aten bmm calls made
@@ -350,13 +346,6 @@ def test_eager(name, dtype, override_level, device, highest_fp32):
 # Mixtral compiles in bf16 only: for other dtypes transformers' grouped_mm experts switch to its
 # own fallback op under torch.compile, whose backward does not trace (a data-dependent guard).
 COMPILE_CASES = [("llama", torch.float32), ("gpt2", torch.float32), ("mixtral", torch.bfloat16)]
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def recording_backend(graphs: list[str]) -> Callable:
@@ -380,7 +369,7 @@ def test_compiled(name, dtype, override_level, device, highest_fp32, fresh_dynam
     expected = forward_backward(model, model, tokens)
     graphs: list[str] = []
     compiled = torch.compile(routed_model, backend=recording_backend(graphs), fullgraph=True)
-    with override_at(override_level) as ov:
+    with tg.override(level=override_level) as ov:
         got = forward_backward(compiled, routed_model, tokens)
 
     assert len(graphs) == 2, "expected one forward and one backward graph"
@@ -528,7 +517,7 @@ def test_gpu_profile(name, compiled, override_level, fresh_dynamo):
 
     forward_backward(model, model, tokens)  # warm-up: cuBLAS handles, lazy initialisation
     plain_kernels, expected = profile_kernels(lambda: forward_backward(model, model, tokens))
-    with override_at(override_level) as ov:
+    with tg.override(level=override_level) as ov:
         forward_backward(routed_step, routed_model, tokens)  # warm-up: compilation, tuning
         kernels, got = profile_kernels(
             lambda: forward_backward(routed_step, routed_model, tokens))

@@ -50,13 +50,6 @@ TGEMM_GROUPED_KERNEL = re.compile(r"\bgrouped_mm_kernel\b")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | None = None,
           requires_grad: bool = False) -> torch.Tensor:
     return torch.randn(*shape, device=device or DEVICE, dtype=dtype, requires_grad=requires_grad)

@@ -40,13 +40,6 @@ def routed(counts: dict[str, int]) -> int:
     return sum(counts[family] for family in FAMILIES)
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 # --- the Python entry points reach tgemm through aten ---------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

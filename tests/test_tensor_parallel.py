@@ -367,31 +367,30 @@ def _assert_mm(results: list[dict[str, Any]]) -> None:
         assert mixed["mm"] == 0 and mixed["fallback"] == 1, mixed
 
 
-def _assert_grouped(results: list[dict[str, Any]]) -> None:
+def _assert_sharded_op(results: list[dict[str, Any]], op: str, cases: dict[str, Any],
+                       family: str, tolerance: float, every_case_routed: bool) -> None:
+    """Each rank's results of ``op`` (grouped_mm, scaled_mm): error, output placement, no
+    redistribution, and the override's run of the case routed once with the same placement."""
     for rank in results:
-        for name, (*_, placement) in GROUPED_CASES.items():
-            case = rank["grouped_mm"][name]
-            assert case["err"] <= FP32_TOLERANCE, (name, case)
-            assert case["placement"] == str(PLACEMENTS[placement]), (name, case)
-            assert case["comms"] == {}, (name, case)  # no redistribution
-            if "override" in case:
-                routed = case["override"]
-                assert routed["counts"]["grouped"] == 1 and routed["counts"]["fallback"] == 0
-                assert routed["placement"] == case["placement"], (name, routed)
-                assert routed["err"] <= FP32_TOLERANCE, (name, routed)
-
-
-def _assert_scaled(results: list[dict[str, Any]], tolerance: float) -> None:
-    for rank in results:
-        for name, (*_, placement) in SCALED_CASES.items():
-            case = rank["scaled_mm"][name]
+        for name, (*_, placement) in cases.items():
+            case = rank[op][name]
             assert case["err"] <= tolerance, (name, case)
             assert case["placement"] == str(PLACEMENTS[placement]), (name, case)
             assert case["comms"] == {}, (name, case)  # no redistribution
-            routed = case["override"]
-            assert routed["counts"]["scaled"] == 1 and routed["counts"]["fallback"] == 0
-            assert routed["placement"] == case["placement"], (name, routed)
-            assert routed["err"] <= tolerance, (name, routed)
+            assert "override" in case or not every_case_routed, (name, case)
+            if "override" in case:
+                routed = case["override"]
+                assert routed["counts"][family] == 1 and routed["counts"]["fallback"] == 0
+                assert routed["placement"] == case["placement"], (name, routed)
+                assert routed["err"] <= tolerance, (name, routed)
+
+
+def _assert_grouped(results: list[dict[str, Any]]) -> None:
+    _assert_sharded_op(results, "grouped_mm", GROUPED_CASES, "grouped", FP32_TOLERANCE, False)
+
+
+def _assert_scaled(results: list[dict[str, Any]], tolerance: float) -> None:
+    _assert_sharded_op(results, "scaled_mm", SCALED_CASES, "scaled", tolerance, True)
 
 
 def _assert_mlp(results: list[dict[str, Any]]) -> None:

@@ -148,12 +148,8 @@ def _grouped_mm_rules(a: Any, b: Any, offs: Any = None, bias: Any = None, out_dt
 # --- tgemm::scaled_mm: (a * scale_a) [M, K] @ (b * scale_b) [K, N] + bias [N]; (out, a, b, bias)
 # The scales follow their operands (_scale_placement).
 
-SCALED_MM_RULES: list[Rule] = [
-    (R, R, R, R),  # everything replicated
-    (0, 0, R, R),  # rows of a
-    (1, R, 1, 0),  # columns of b
-    (P, 1, 0, P),  # the contraction
-]
+# mm's rules and its contraction (no activation; pending sums of fp8 operands do not exist).
+SCALED_MM_RULES: list[Rule] = MM_RULES + MM_PARTIAL_RULES[:1]
 
 
 def _scale_placement(scale: Any, data: Any, placement: Any) -> Any:
