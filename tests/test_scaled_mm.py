@@ -199,6 +199,30 @@ def test_partial_blocks_and_k_remainders(device):
         assert err <= 1e-5, (recipe, k, tile, err)
 
 
+def _with_nan_block_after(scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """``scale`` as a view whose memory continues with NaN one K block further along ``dim``:
+    a kernel that read the scale of a K block past the end would produce NaN."""
+    pad_shape = list(scale.shape)
+    pad_shape[dim] = 1
+    padded = torch.cat([scale, torch.full(pad_shape, float("nan"), device=scale.device)], dim)
+    return padded.narrow(dim, 0, scale.shape[dim])
+
+
+@pytest.mark.parametrize("kernel", ["tma", "portable"])
+def test_blockwise_split_steps_past_k_read_no_scale(device, kernel):
+    """A K split of the persistent kernel runs whole steps, so its last split may step past K
+    (K=640 in 32-wide steps, 3 splits of 7 steps: the last one steps past K once). Those steps'
+    operands read as zeros, and their scales must not be read at all (the next K block's memory
+    holds NaN here)."""
+    a, b, sa, sb = quantized_pair(19, 23, 640, "blockwise", "blockwise", device)
+    ref = reference(a, b, sa, sb, "blockwise", "blockwise")
+    sa, sb = _with_nan_block_after(sa, 1), _with_nan_block_after(sb, 0)
+    plan = tuning.MMPlan(kernel, tuning.TileConfig(16, 32, 32, 1, 4, 2), split_k=3)
+    with tuning.force_plan(plan):
+        out = tg.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert rel_error(out, ref) <= (1e-5 if tgemm_device.interpreter_enabled() else 1e-3)
+
+
 def test_any_operand_layout(device):
     """a column-major, a sliced view, b row-major: the same product (beyond torch's layouts)."""
     x = torch.randn(45, 160, device=device)

@@ -124,9 +124,8 @@ def descriptor_tile(
     for k in range(k0, k1, BLOCK_K):
         a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
         b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-        # Unscaled products: the scale pointers and strides are not read.
-        acc = accumulate(acc, a, b, k, c_ptr, c_ptr, rows, cols, 0, 0, 0, 0, INPUT_PRECISION,
-                         UPCAST_TO_FP32, "none", 1, 1, False)
+        # Unscaled products: no scales.
+        acc = accumulate(acc, a, b, 1.0, 1.0, INPUT_PRECISION, UPCAST_TO_FP32, "none", False)
     store_epilogue(acc, c_ptr, bias_ptr, rows, cols, m1, n1, stride_cm, stride_cn, stride_bias,
                    HAS_BIAS, "none")
 

@@ -20,6 +20,7 @@ from .tiles import (
     grouped_tile,
     k_loop,
     outer_scales,
+    step_scales,
     store_epilogue,
     widen,
 )
@@ -169,9 +170,10 @@ def mm_tma_kernel(
         for _ in range(k_tiles):
             a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
             b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-            acc = accumulate(acc, a, b, k, sa_ptr, sb_ptr, rows, cols,
-                             stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
-                             UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
+            sa, sb = step_scales(sa_ptr, sb_ptr, rows, cols, k, K, stride_sam, stride_sak,
+                                 stride_sbk, stride_sbn, SCALING, SA_ROWS, SB_COLS)
+            acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
+                             FAST_ACCUM)
             k += BLOCK_K
         acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
         if SPLIT:

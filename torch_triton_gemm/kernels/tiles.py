@@ -60,25 +60,38 @@ def dot_tile(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.conste
 
 
 @triton.jit
-def accumulate(acc, a, b, k, sa_ptr, sb_ptr, rows, cols,
-               stride_sam, stride_sak, stride_sbk, stride_sbn,
-               INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
-               SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr,
-               FAST_ACCUM: tl.constexpr):
-    """acc += the product of one K step's tiles, a (rows x [k, k + BLOCK_K)) and b, scaled as
-    SCALING says:
+def step_scales(sa_ptr, sb_ptr, rows, cols, k, k_end, stride_sam, stride_sak, stride_sbk,
+                stride_sbn, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+                SB_COLS: tl.constexpr):
+    """The scales of the K step starting at k under the "block" recipe: scale_a of each row
+    (per SA_ROWS rows) and scale_b of each column (per SB_COLS columns) for K block k // 128.
+    Steps at or past ``k_end`` (a split's last steps may pass K; their operands read as zeros)
+    get zero scales. Other recipes load nothing.
+    """
+    if SCALING == "block":
+        kb = k // BLOCK_SCALE_K
+        sa = tl.load(sa_ptr + (rows // SA_ROWS) * stride_sam + kb * stride_sak,
+                     mask=rows * 0 + k < k_end, other=0.0)
+        sb = tl.load(sb_ptr + kb * stride_sbk + (cols // SB_COLS) * stride_sbn,
+                     mask=cols * 0 + k < k_end, other=0.0)
+        return sa, sb
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def accumulate(acc, a, b, sa, sb, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
+               SCALING: tl.constexpr, FAST_ACCUM: tl.constexpr):
+    """acc += the product of one K step's tiles a and b, scaled as SCALING says:
 
     - "none": plain products (unscaled GEMMs; fp8 accumulates at the tensor cores' precision);
     - "outer": fp8 with per-row / per-column scales applied after the loop (``outer_scales``);
       without FAST_ACCUM each step's product is added in fp32, so the tensor cores' reduced-
       precision fp8 sums span one step, not the whole K loop;
-    - "block": scales per 128 elements of K (and per SA_ROWS rows of a, SB_COLS columns of b),
-      applied to each step's product; BLOCK_K must divide 128.
+    - "block": scales per 128 elements of K, the step's ``step_scales`` (sa per row, sb per
+      column), applied to each step's product; BLOCK_K must divide 128.
     """
     if SCALING == "block":
-        kb = k // BLOCK_SCALE_K
-        sa = tl.load(sa_ptr + (rows // SA_ROWS) * stride_sam + kb * stride_sak)
-        sb = tl.load(sb_ptr + kb * stride_sbk + (cols // SB_COLS) * stride_sbn)
         return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
     elif SCALING == "outer" and not FAST_ACCUM:
         return acc + tl.dot(a, b)
@@ -122,22 +135,27 @@ def k_loop(
     a_step = BLOCK_K * widen(stride_ak, INDEX_64)
     b_step = BLOCK_K * widen(stride_bk, INDEX_64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = k_start + K
     k_full = K // BLOCK_K
     for step in range(0, k_full):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
-        acc = accumulate(acc, a, b, k_start + step * BLOCK_K, sa_ptr, sb_ptr, offs_m, offs_n,
-                         stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
-                         UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
+        sa, sb = step_scales(sa_ptr, sb_ptr, offs_m, offs_n, k_start + step * BLOCK_K, k_end,
+                             stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, SA_ROWS,
+                             SB_COLS)
+        acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
+                         FAST_ACCUM)
         a_ptrs += a_step
         b_ptrs += b_step
     k_left = K - k_full * BLOCK_K
     if k_left > 0:
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = accumulate(acc, a, b, k_start + k_full * BLOCK_K, sa_ptr, sb_ptr, offs_m, offs_n,
-                         stride_sam, stride_sak, stride_sbk, stride_sbn, INPUT_PRECISION,
-                         UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM)
+        sa, sb = step_scales(sa_ptr, sb_ptr, offs_m, offs_n, k_start + k_full * BLOCK_K, k_end,
+                             stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, SA_ROWS,
+                             SB_COLS)
+        acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
+                         FAST_ACCUM)
     return acc
 
 
