@@ -493,42 +493,41 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         _launch(prepared.kernel, grid,
                 (a, b, out, bias, workspace, scale_a, scale_b, *runtime_args), meta, traceable,
-                cache, 7)
+                cache)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         _launch(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
-                traceable, caches[-1], 3)
+                traceable, caches[-1])
 
 
 def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
-            traceable: bool, compiled: dict[Any, Any] | None = None,
-            tensor_args: int = 0) -> None:
+            traceable: bool, compiled: dict[int, Any] | None = None) -> None:
     """Launch ``kernel``: through wrap_triton where tracing may see it, else directly; with
-    ``compiled`` (a prepared launch's cache), through its compiled kernel (_launch_compiled)."""
+    ``compiled`` (a memoised eager launch's cache), through its compiled kernel
+    (_launch_compiled)."""
     if traceable:
         # Arguments may be symbolic here: pass them by name, as wrap_triton expects.
         wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
-    elif compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta,
-                                                  tensor_args):
+    elif compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta):
         kernel[grid](*args, **meta)
 
 
-def _launch_compiled(cache: dict[Any, Any], kernel: Any, grid: tuple[int],
-                     args: tuple[Any, ...], meta: Mapping[str, Any], tensor_args: int) -> bool:
-    """Launch a prepared launch through the kernel Triton compiled for it; False where the
+def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
+                     args: tuple[Any, ...], meta: Mapping[str, Any]) -> bool:
+    """Launch a memoised eager launch through the kernel Triton compiled for it; False where the
     caller must launch through Triton's JIT.
 
-    A prepared launch fixes every argument but the tensors (its memo key holds shapes, strides
-    and dtypes), so the compiled kernel depends only on what Triton specialises tensors on:
-    their dtypes and 16-byte alignment, the cache key here. Launching it directly skips the JIT's
+    The launch's memo key (``_eager_signature``) fixes everything Triton specialises on: every
+    argument but the tensors, and of the tensors their dtypes and 16-byte alignment (operands
+    and bias by the key, outputs and workspaces by being fresh allocations). So one compiled
+    kernel per device serves every call with that key. Launching it directly skips the JIT's
     argument binding and specialisation, about two thirds of the host time of a small GEMM.
     Triton's launch hooks (profilers) need the JIT's path, which calls them.
     """
     if _INTERPRETED or _launch_hooks_set():
         return False
-    key = tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
-                for t in args[:tensor_args])
-    entry = cache.get(key)
+    device = torch._C._cuda_getDevice()
+    entry = cache.get(device)
     if entry is None:
         launched = kernel[grid](*args, **meta)
         if launched is not None and hasattr(launched, "result"):
@@ -536,11 +535,9 @@ def _launch_compiled(cache: dict[Any, Any], kernel: Any, grid: tuple[int],
         # The launcher takes every parameter, constexprs included, in signature order.
         tail = tuple(meta[param.name] if param.name in meta else param.default
                      for param in kernel.params[len(args):])
-        cache[key] = (launched, (*grid, 1, 1)[:3], tail, torch._C._cuda_getDevice())
+        cache[device] = (launched, (*grid, 1, 1)[:3], tail)
         return True
-    launched, (grid_0, grid_1, grid_2), tail, device = entry
-    if torch._C._cuda_getDevice() != device:  # compiled for another device
-        return False
+    launched, (grid_0, grid_1, grid_2), tail = entry
     launched.run(grid_0, grid_1, grid_2, torch._C._cuda_getCurrentRawStream(device),
                  launched.function, launched.packed_metadata, None, None, None, *args, *tail)
     return True
@@ -566,17 +563,23 @@ def _launch_hooks_set() -> bool:
 # --- plain eager calls ----------------------------------------------------------------------------
 # An eager call of a small GEMM is host-bound: checks, plan and launch arithmetic cost more than
 # the kernel. They depend only on the call's signature (shapes, strides, dtypes, devices, the
-# operands' 16-byte alignment, bias, activation, out dtype, fp32 precision, tuned-plan version),
-# so eager calls memoise them per signature; a signature seen once needs no checks again.
+# 16-byte alignment of operands and bias, activation, out dtype, fp32 precision, tuned-plan
+# version), so eager calls memoise them per signature; a signature seen once needs no checks
+# again, and its kernels launch without Triton's JIT (see _launch_compiled).
 
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                      activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
     return (
         a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
         b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-        activation, out_dtype, torch.get_float32_matmul_precision(), tuning.TUNED.version,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
+                                   bias.data_ptr() % 16 == 0),
+        activation, out_dtype, _float32_precision(), tuning.TUNED.version,
     )
+
+
+# torch.get_float32_matmul_precision without its Python wrapper (read on every eager call).
+_float32_precision = torch._C._get_float32_matmul_precision
 
 
 _EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.dtype,
