@@ -387,7 +387,11 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones()
     large = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 128, 8, 8, 3), 1, False, 2)
     skinny = tuning.MMPlan("portable", tuning.TileConfig(16, 128, 256, 1, 4, 4), 4)
     assert tuning.scaled_plan(skinny, "block", False).tile.block_k == 128
-    assert tuning.scaled_plan(large, "block", False) == large
+    blocked = tuning.scaled_plan(large, "block", False)
+    assert (blocked.tile.block_m, blocked.tile.block_n, blocked.tile.block_k) == (64, 128, 128)
+    assert blocked.programs_per_sm == 2 and blocked.split_k == 1
+    split = tuning.MMPlan("tma", tuning.TileConfig(128, 128, 128, 8, 8, 4), 3)
+    assert tuning.scaled_plan(split, "block", False) == split
     deep = tuning.scaled_plan(large, "outer", False).tile
     assert (deep.block_m, deep.block_n, deep.block_k) == (128, 128, 256)
     assert tuning.scaled_plan(large, "outer", True) == large

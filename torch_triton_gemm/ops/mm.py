@@ -450,7 +450,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
         meta = tuning.launch_meta(plan, split, scaling)
-        grid = (min(_num_sms(device), units),) if kernel is mm_tma_kernel else (units,)
+        persistent = _num_sms(device) * plan.programs_per_sm
+        grid = (min(persistent, units),) if kernel is mm_tma_kernel else (units,)
         return grid, {**meta, **flags} if flags else meta, runtime_args
 
     launches = []
