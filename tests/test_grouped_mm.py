@@ -219,6 +219,12 @@ def test_heuristic_tiles(monkeypatch):
     assert tile(1, 4096, 2, True).block_m == 16
     assert (tile(4096, 64, 2, True).block_m, tile(4096, 64, 2, True).block_n) == (128, 64)
     assert tile(4096, 4096, 4, False).block_k == 32 and tile(4096, 4096, 1, False).block_k == 128
+    # Weight gradients (contraction grouped): shallow groups get 128x128 tiles, two per SM.
+    assert tile(4096, 14336, 2, True, 256) == tuning.TileConfig(128, 128, 64, 8, 8, 3)
+    assert tuning.grouped_programs_per_sm(4096, 256) == 2
+    assert tile(4096, 14336, 2, True, 1024) == tile(4096, 14336, 2, True)
+    assert tuning.grouped_programs_per_sm(4096, 1024) == 1
+    assert tuning.grouped_programs_per_sm(4096, None) == 1
     for smem in (101376, 166912):  # sm_86 / sm_89, sm_80
         monkeypatch.setattr(tuning._device, "shared_memory_per_block",
                             lambda index, smem=smem: smem)
@@ -807,7 +813,8 @@ def test_gpu_moe_shapes_match_torch(skewed):
 def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block):
     x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=False)
     s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
-    tile = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0])
+    tile, programs_per_sm = grouped_module._tile("m", experts, tokens, n, 512, 2, _loaders(s)[0])
+    assert programs_per_sm == 1
     if block == (128, 256) and not _loaders(s)[0]:
         block = (128, 128)  # GPUs without TMA
     assert (tile.block_m, tile.block_n) == block
@@ -816,6 +823,28 @@ def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block):
     assert rel_error(out[written], ref[written]) <= 1e-2
     expected = torch._grouped_mm(x, w.transpose(-2, -1), offs)
     assert rel_error(out[written], expected[written].double()) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,programs_per_sm", [(1024, 2), (8192, 1)])
+def test_gpu_shallow_weight_gradients_run_two_programs_per_sm(tokens, programs_per_sm):
+    """The weight-gradient form with few tokens per expert (128 here) runs 128x128 tiles, two
+    programs per SM; with many (1024), one program per SM. Both match float64 and
+    torch._grouped_mm."""
+    experts, k, n = 8, 512, 384
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
+    tile, programs = grouped_module._tile("k", experts, k, n, tokens, 2, True)
+    assert programs == programs_per_sm
+    if programs == 2:
+        assert tile == tuning.TileConfig(128, 128, 64, 8, 8, 3)
+    out = tg.grouped_mm(x.t(), grad, offs)
+    rows = tokens // experts
+    ref = torch.stack([xg.double().t() @ gg.double()
+                       for xg, gg in zip(x.split(rows), grad.split(rows))])
+    assert rel_error(out, ref) <= 1e-2
+    assert rel_error(out, torch._grouped_mm(x.t(), grad, offs).double()) <= 1e-2
 
 
 @pytest.mark.gpu

@@ -337,7 +337,8 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     tma, a_strides, b_strides, flags = loads
     if tma:
         _device.install_tma_allocator()
-    tile = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device))
+    tile, programs_per_sm = _tile(form, G, M, N, K, a.element_size(),
+                                  tma and _device.supports_tma(a.device))
     stride_bias_g, stride_bias_n = p.bias_strides
     # Runtime arguments in grouped_mm_kernel's order; the tile's meta-parameters come after.
     args = (
@@ -348,20 +349,24 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
         _needs_int64_indexing(a, b, out),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
-    grid = (_sym_min(_num_sms(a.device),
+    grid = (_sym_min(_num_sms(a.device) * programs_per_sm,
                      _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
     _launch(grouped_mm_kernel, grid, args, tuning.tile_meta(tile), traceable)
 
 
-def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool) -> tuning.TileConfig:
-    """The heuristic's tile for a group's average output extents (offs' values stay on the
-    device); one tile for all sizes when they are symbolic."""
-    if type(G) is not int or type(M) is not int or type(N) is not int:
-        return tuning.symbolic_tile(element_size)
+def _tile(form: str, G: Any, M: Any, N: Any, K: Any, element_size: int,
+          tma: bool) -> tuple[tuning.TileConfig, int]:
+    """The heuristic's tile and programs per SM for a group's average extents (offs' values
+    stay on the device); one tile for all sizes when they are symbolic."""
+    if any(type(x) is not int for x in (G, M, N, K)):
+        return tuning.symbolic_tile(element_size), 1
     groups = max(G, 1)
     m_per_group = M // groups if form == "m" else M
     n_per_group = N // groups if form == "n" else N
-    return tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma)
+    k_per_group = K // groups if form == "k" else None
+    tile = tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
+                                         k_per_group)
+    return tile, tuning.grouped_programs_per_sm(m_per_group, k_per_group)
 
 
 def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
