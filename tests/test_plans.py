@@ -383,16 +383,28 @@ def test_tma_allocator_reaches_threads_that_never_set_one():
     assert seen == [tgemm_device._allocate_scratch]
 
 
-def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones():
-    large = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 128, 8, 8, 3), 1, False, 2)
+def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(monkeypatch):
+    """Any plan is made valid for a recipe (blockwise K steps inside one scale block); the
+    heuristic picks the recipe's plan: 64x128 tiles two per SM for blockwise, 128x128 tiles
+    with 256-deep K steps for precise rowwise / tensorwise, its fp8 plan for fast
+    accumulation."""
     skinny = tuning.MMPlan("portable", tuning.TileConfig(16, 128, 256, 1, 4, 4), 4)
-    assert tuning.scaled_plan(skinny, "block", False).tile.block_k == 128
-    blocked = tuning.scaled_plan(large, "block", False)
+    assert tuning.scaled_plan(skinny, "block").tile.block_k == 128
+    assert tuning.scaled_plan(skinny, "outer") == skinny
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
+
+    def plan(scaling, fast=False, m=8192):
+        return tuning.heuristic_mm_plan(m, 8192, 8192, 1, True, 132, 2, scaling=scaling,
+                                        fast_accum=fast)
+
+    fast = plan("outer", fast=True)
+    assert (fast.tile.block_m, fast.tile.block_n, fast.tile.block_k) == (128, 256, 128)
+    assert plan("none") == fast
+    deep = plan("outer")
+    assert (deep.tile.block_m, deep.tile.block_n, deep.tile.block_k) == (128, 128, 256)
+    assert deep.split_k == 1 and deep.epilogue_subtile == 2
+    blocked = plan("block")
     assert (blocked.tile.block_m, blocked.tile.block_n, blocked.tile.block_k) == (64, 128, 128)
     assert blocked.programs_per_sm == 2 and blocked.split_k == 1
-    split = tuning.MMPlan("tma", tuning.TileConfig(128, 128, 128, 8, 8, 4), 3)
-    assert tuning.scaled_plan(split, "block", False) == split
-    deep = tuning.scaled_plan(large, "outer", False).tile
-    assert (deep.block_m, deep.block_n, deep.block_k) == (128, 128, 256)
-    assert tuning.scaled_plan(large, "outer", True) == large
-    assert tuning.scaled_plan(skinny, "outer", False) == skinny
+    assert plan("block", m=16) == plan("none", m=16)  # decode plans keep their tile

@@ -189,7 +189,8 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
 
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
-                      num_sms: int, out_size: int = 4, a_k_contiguous: bool = True) -> MMPlan:
+                      num_sms: int, out_size: int = 4, a_k_contiguous: bool = True,
+                      scaling: str = "none", fast_accum: bool = False) -> MMPlan:
     """The plan used for a shape nobody tuned, from its size class (rules read off kernel-only
     timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
@@ -204,7 +205,9 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
       with 8 warps at 1024x1024x8192);
     - at least 0.6 of a wave of 128x256 tiles: the persistent TMA kernel with 128x256 tiles,
       its epilogue stored in two slices (wide L2 bands and 4 stages below two waves);
-    - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles.
+    - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles;
+    - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
+      plans, see ``_scaled_tma_plan``.
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
@@ -256,8 +259,33 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size, smem)
     split = _split_for(m, n, k, tile, num_sms, element_size)
     if tma:
-        return MMPlan("tma", tile, split, epilogue_subtile=subtile)
+        plan = MMPlan("tma", tile, split, epilogue_subtile=subtile)
+        return _scaled_tma_plan(plan, m, n, k, num_sms, scaling, fast_accum)
     return MMPlan("portable", tile, split)
+
+
+def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling: str,
+                     fast_accum: bool) -> MMPlan:
+    """The heuristic's TMA plan for an fp8 recipe of scaled_mm (fp8 operands, so BLOCK_K counts
+    bytes as it is):
+
+    - "block": each K step waits for its scales' loads (Triton pipelines only the loads that
+      feed a dot), so unsplit plans run 64x128x128 tiles with 4 warps, two programs per SM,
+      whose waits interleave (8192^3 on an H100: 640-680 against 490-510 TFLOP/s with 128x256
+      tiles);
+    - "outer" without fast accumulation: each K step's product is added to the fp32
+      accumulator, which stalls the tensor cores once per step; 128x128 tiles with 256-deep K
+      steps halve those stalls (1018 against 865 TFLOP/s at 8192^3 on an H100, the same error).
+    """
+    tile = plan.tile
+    if scaling == "block" and tile.block_m == 128 and plan.split_k == 1:
+        return dataclasses.replace(plan, tile=TileConfig(64, 128, 128, tile.group_m, 4, 3),
+                                   epilogue_subtile=2, programs_per_sm=2)
+    if (scaling == "outer" and not fast_accum
+            and (tile.block_m, tile.block_n, tile.block_k) == (128, 256, 128)):
+        deep = TileConfig(128, 128, 256, tile.group_m, 8, 3)
+        return MMPlan("tma", deep, _split_for(m, n, k, deep, num_sms, 1), epilogue_subtile=2)
+    return plan
 
 
 # Decode tiles (M <= 16): 128 columns wide, or 64 wide with a deeper pipeline; both on the
@@ -298,28 +326,11 @@ def _fit_shared_memory(tile: TileConfig, element_size: int, limit: int) -> TileC
     return tile
 
 
-def scaled_plan(plan: MMPlan, mode: str, fast_accum: bool) -> MMPlan:
-    """Adjust an mm plan for an fp8 recipe of scaled_mm.
-
-    - "block": a K step must stay inside one 128-wide scale block (BLOCK_K <= 128). Each step
-      waits for its scales' loads (Triton pipelines only the loads that feed a dot), so
-      unsplit persistent plans run 64x128 tiles with 4 warps, two programs per SM, whose
-      waits interleave (8192^3 on an H100: 640-680 against 490-510 TFLOP/s with 128x256 tiles).
-    - "outer" without fast accumulation: each K step's product is added to the fp32
-      accumulator, which stalls the tensor cores once per step; 128x128 tiles with 256-deep K
-      steps halve those stalls (1018 against 865 TFLOP/s at 8192^3 on an H100, the same error).
-    """
-    tile = plan.tile
-    if (mode == "block" and plan.kernel == "tma" and tile.block_m == 128 and plan.split_k == 1
-            and not plan.warp_specialize):
-        return dataclasses.replace(plan, tile=TileConfig(64, 128, 128, tile.group_m, 4, 3),
-                                   epilogue_subtile=2, programs_per_sm=2)
-    if mode == "block" and tile.block_k > 128:
-        return dataclasses.replace(plan, tile=dataclasses.replace(tile, block_k=128))
-    if (mode == "outer" and not fast_accum and plan.kernel == "tma" and tile.block_m == 128
-            and tile.block_n == 256 and tile.block_k == 128):
-        return dataclasses.replace(
-            plan, tile=TileConfig(128, 128, 256, tile.group_m, 8, 3), epilogue_subtile=2)
+def scaled_plan(plan: MMPlan, mode: str) -> MMPlan:
+    """Any plan (forced, tuned or the heuristic's) made valid for an fp8 recipe of scaled_mm:
+    under "block" a K step must stay inside one 128-wide scale block (BLOCK_K <= 128)."""
+    if mode == "block" and plan.tile.block_k > 128:
+        return dataclasses.replace(plan, tile=dataclasses.replace(plan.tile, block_k=128))
     return plan
 
 

@@ -274,20 +274,24 @@ def _pads(a: torch.Tensor, b: torch.Tensor) -> tuple[Pad | None, Pad | None]:
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
-          out_size: int, layout: int, tma: bool, eager: bool) -> tuning.MMPlan:
+          out_size: int, layout: int, tma: bool, eager: bool,
+          scales: GemmScales | None = None) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
-    plain eager call outside CUDA-graph capture."""
+    plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
+    heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
     forced = tuning.forced_plan()
     if forced is not None:
         return forced
     (M, K), N, device = a.shape, b.shape[1], a.device
+    scaling, fast_accum = ("none", False) if scales is None else (scales.mode, scales.fast_accum)
     # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
-    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, tuning.TUNED.version)
+    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, tuning.TUNED.version, scaling,
+                fast_accum)
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
-    if device.type == "cuda":
+    if device.type == "cuda" and scales is None:
         plan = tuning.TUNED.get(device, tuning.plan_key(M, N, K, a.dtype, layout, tma))
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
@@ -296,7 +300,8 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
             return tune_mm(a, b, bias, activation)[0]
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
-                                        out_size, a_k_contiguous=bool(layout & 2))
+                                        out_size, a_k_contiguous=bool(layout & 2),
+                                        scaling=scaling, fast_accum=fast_accum)
     if len(_PLANS) >= _PLANS_LIMIT:
         _PLANS.clear()
     _PLANS[memo_key] = plan
@@ -408,12 +413,13 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         if plan is None:
             plan = _plan(a, b, bias, activation, out.element_size(),
                          _layout_key(stride_ak, stride_bk),
-                         tma_args is not None and _device.supports_tma(device), not traceable)
+                         tma_args is not None and _device.supports_tma(device), not traceable,
+                         scales)
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
                                        warp_specialize=False)
         if scales is not None:
-            plan = tuning.scaled_plan(plan, scales.mode, scales.fast_accum)
+            plan = tuning.scaled_plan(plan, scales.mode)
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
     else:
         # Symbolic sizes (torch.compile with dynamic shapes): one plan for every size, so that
