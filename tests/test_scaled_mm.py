@@ -286,6 +286,33 @@ def test_matches_torch_scaled_mm_small(device, recipe):
     assert rel_error(ours, theirs.double()) <= TOLERANCE
 
 
+def test_eager_launches_memoised_per_signature_stay_right(device):
+    """Eager calls of the fp8 recipes reuse checks and launch arithmetic per call signature:
+    fresh values and scales, another recipe on the same operands, scales at another alignment,
+    another size, bad input after a good call, through tg.scaled_mm and torch.ops alike."""
+    from torch_triton_gemm.ops import mm as mm_module
+
+    def check(a, b, sa, sb, recipe, bias=None, op=tg.scaled_mm):
+        out = op(a, b, sa, sb, bias, torch.float32)
+        assert rel_error(out, reference(a, b, sa, sb, recipe, recipe, bias)) <= TOLERANCE
+
+    for recipe in ("rowwise", "tensorwise", "blockwise"):
+        for _ in range(2):
+            check(*quantized_pair(21, 40, 256, recipe, recipe, device), recipe)
+        check(*quantized_pair(21, 40, 256, recipe, recipe, device), recipe,
+              op=torch.ops.tgemm.scaled_mm)
+    a, b, sa, sb = quantized_pair(21, 40, 256, "rowwise", "rowwise", device)
+    shifted = torch.empty(sa.numel() + 1, device=device)[1:].view_as(sa).copy_(sa)  # 4-byte
+    check(a, b, shifted, sb, "rowwise")
+    check(a, b, sa, sb, "rowwise", torch.randn(40, device=device, dtype=torch.bfloat16))
+    check(*quantized_pair(5, 40, 256, "rowwise", "rowwise", device), "rowwise")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="fit no recipe"):
+            tg.scaled_mm(a, b, sa[:20], sb)
+    keys = [key for key in mm_module._EAGER_LAUNCHES if key[0] == "tgemm::scaled_mm"]
+    assert len(keys) >= 6
+
+
 # --- scales are multipliers, used as given ------------------------------------------------------
 
 def test_zero_negative_and_non_finite_scales_are_used_as_given(device):

@@ -393,7 +393,8 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     prepared = prepare_launch(a, b, bias, out, activation, traceable, plan, scales)
-    run_launch(prepared, a, b, bias, out, scales, traceable)
+    scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
+    run_launch(prepared, a, b, bias, out, scale_a, scale_b, traceable)
 
 
 def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -483,9 +484,10 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
-               bias: torch.Tensor | None, out: torch.Tensor, scales: GemmScales | None,
-               traceable: bool) -> None:
-    """Launch a prepared GEMM on these tensors (and its split-K reduction)."""
+               bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
+               scale_b: torch.Tensor | None, traceable: bool) -> None:
+    """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
+    are the scales of a prepared scaled product, else None."""
     if prepared.kernel is mm_tma_kernel:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if prepared.pads is not None:
@@ -495,7 +497,6 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     workspace = None
     if prepared.workspace_shape is not None:
         workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
-    scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         _launch(prepared.kernel, grid,
@@ -598,15 +599,34 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
                                activation: str, out_dtype: torch.dtype | None) -> torch.Tensor:
     if tuning.forced_plan() is not None:
         return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
-    signature = _eager_signature(a, b, bias, activation, out_dtype)
-    known = _EAGER_LAUNCHES.get(signature)
-    if known is None:
+
+    def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
         out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
         error = _device.kernel_device_error(a.device)
         _check(error is None, lambda: f"tgemm::mm: {error}")
-        prepared = None
-        if out.numel() > 0:
-            prepared = prepare_launch(a, b, bias, out, activation, False, None, None)
+        if out.numel() == 0:
+            return out, None
+        return out, prepare_launch(a, b, bias, out, activation, False, None, None)
+
+    return memoised_eager_launch(_eager_signature(a, b, bias, activation, out_dtype),
+                                 first_call, a, b, bias)
+
+
+def memoised_eager_launch(signature: tuple[Any, ...],
+                          first_call: Callable[[], tuple[torch.Tensor, PreparedLaunch | None]],
+                          a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                          scale_a: torch.Tensor | None = None,
+                          scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """An eager GEMM call through the memo of its ``signature`` (which must fix everything the
+    checks and the launch depend on; the op's name among them where two ops share a form).
+
+    The first call of a signature runs ``first_call``: the checks, then the output and the
+    prepared launch (None: nothing to launch); later calls allocate the output and launch.
+    """
+    known = _EAGER_LAUNCHES.get(signature)
+    if known is None:
+        out, prepared = first_call()
+        if prepared is not None:
             prepared = prepared._replace(
                 compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
         if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
@@ -616,7 +636,7 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
         shape, dtype, prepared = known
         out = a.new_empty(shape, dtype=dtype)
     if prepared is not None:
-        run_launch(prepared, a, b, bias, out, None, False)
+        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
     return out
 
 

@@ -53,6 +53,7 @@ from ..kernels.scaled import scaled_mm_kernel
 from ._registry import define_triton_op
 from .mm import (
     GemmScales,
+    PreparedLaunch,
     _check,
     _check_value,
     _needs_grad,
@@ -60,6 +61,8 @@ from .mm import (
     _plain_eager,
     check_epilogue_args,
     launch_mm,
+    memoised_eager_launch,
+    prepare_launch,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -277,6 +280,14 @@ def _scale_strides(recipe: Recipe, scale_a: torch.Tensor,
     return (*scale_a.stride(), *scale_b.stride())
 
 
+def _gemm_scales(recipe: Recipe, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 use_fast_accum: bool) -> GemmScales:
+    """The scales of an fp8 recipe (tensorwise, rowwise, blockwise) as the GEMM kernels read
+    them."""
+    return GemmScales(recipe.scaling, scale_a, scale_b, _scale_strides(recipe, scale_a, scale_b),
+                      recipe.a_rows, recipe.b_cols, bool(use_fast_accum))
+
+
 def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      scale_b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                      recipe: Recipe, use_fast_accum: bool = False, traceable: bool = True,
@@ -300,10 +311,8 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         return
     if recipe.scaling in ("outer", "block"):
         plan = None if tile is None else tuning.MMPlan("portable", tile)
-        scales = GemmScales(recipe.scaling, scale_a, scale_b,
-                            _scale_strides(recipe, scale_a, scale_b), recipe.a_rows,
-                            recipe.b_cols, bool(use_fast_accum))
-        launch_mm(a, b, bias, out, "none", traceable, plan=plan, scales=scales)
+        launch_mm(a, b, bias, out, "none", traceable, plan=plan,
+                  scales=_gemm_scales(recipe, scale_a, scale_b, use_fast_accum))
         return
     scaling = "micro"
     if native is None:
@@ -342,15 +351,60 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         scaled_mm_kernel[grid](*args, **kernel_meta)
 
 
+# --- plain eager calls ----------------------------------------------------------------------------
+# As for tgemm::mm (see mm.memoised_eager_launch): an eager call of an fp8 recipe (float32
+# scales) memoises its checks and launch per call signature, which fixes everything they depend
+# on: shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out dtype, the
+# accumulation mode. The microscaled recipes launch their own kernel on every call.
+
+def _eager_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                     scale_b: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype | None, use_fast_accum: bool) -> tuple[Any, ...]:
+    return (
+        "tgemm::scaled_mm",
+        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+        scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device,
+        scale_a.data_ptr() % 16 == 0,
+        scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device,
+        scale_b.data_ptr() % 16 == 0,
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
+                                   bias.data_ptr() % 16 == 0),
+        out_dtype, bool(use_fast_accum), tuning.TUNED.version,
+    )
+
+
+def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                               scale_b: torch.Tensor, bias: torch.Tensor | None,
+                               out_dtype: torch.dtype | None,
+                               use_fast_accum: bool) -> torch.Tensor:
+    if scale_a.dtype != torch.float32 or tuning.forced_plan() is not None:
+        return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                    traceable=False)
+
+    def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
+        out_dtype_checked, recipe = _check_inputs(a, b, scale_a, scale_b, bias, out_dtype)
+        error = _device.kernel_device_error(a.device)
+        _check(error is None, lambda: f"tgemm::scaled_mm: {error}")
+        out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype_checked)
+        if out.numel() == 0:
+            return out, None
+        scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
+        return out, prepare_launch(a, b, bias, out, "none", False, None, scales)
+
+    signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    return memoised_eager_launch(signature, first_call, a, b, bias, scale_a, scale_b)
+
+
 # --- registration -------------------------------------------------------------------------------
 
 def _scaled_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      scale_b: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None,
                      use_fast_accum: bool = False) -> torch.Tensor:
-    """The op body for eager calls on real tensors: kernels launched without wrap_triton."""
-    return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
-                                traceable=False)
+    """The op body for eager calls on real tensors: kernels launched without wrap_triton,
+    checks and launch arithmetic memoised per call signature."""
+    return _eager_allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
 # Eager calls of torch.ops.tgemm.scaled_mm on real tensors reach _scaled_mm_eager through light
@@ -412,6 +466,6 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     if torch.is_grad_enabled():
         _check_no_quantized_grads(a, b, scale_a, scale_b)
     if _plain_eager(a, b, scale_a, scale_b, bias) and not _needs_grad(bias):
-        return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
-                                    traceable=False)
+        return _eager_allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype,
+                                          use_fast_accum)
     return torch.ops.tgemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
