@@ -373,11 +373,42 @@ def test_bad_offs_values_raise_before_launch(device, case, monkeypatch):
     values, message = BAD_OFFS[case]
     s = make_sample("m", "nt", torch.float16, device)
     offs = torch.tensor(values, dtype=torch.int32, device=device)
-    monkeypatch.setattr(grouped_module, "launch_grouped_mm", _no_launch)
+    monkeypatch.setattr(grouped_module, "_run_grouped_launch", _no_launch)
     # GPU offs are checked only on request (reading them syncs with the device).
     monkeypatch.setattr(grouped_module, "_offs_check_mode", lambda: "always")
     with pytest.raises(ValueError, match=re.escape(message)):
         tg.grouped_mm(s.a, s.b, offs)
+
+
+def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32):
+    """Eager calls reuse checks and launch arithmetic per call signature: fresh values and new
+    offs values of the same shape, another size, bad offs after good ones of the same
+    signature (still checked on every call where checking is on), through tg.grouped_mm,
+    torch.ops and the gradient path alike."""
+    from torch_triton_gemm.ops import mm as mm_module
+
+    dtype = torch.float16
+    for form in ("m", "k"):
+        for op in (tg.grouped_mm, torch.ops.tgemm.grouped_mm, tg.grouped_mm):
+            s = make_sample(form, "nt", dtype, device)
+            ref, written = reference(s.a, s.b, s.offs)
+            assert_close_in_groups(op(s.a, s.b, s.offs), ref, written, dtype, s.name)
+    s = make_sample("m", "nt", dtype, device, rows=30)
+    ref, written = reference(s.a, s.b, s.offs)
+    assert_close_in_groups(tg.grouped_mm(s.a, s.b, s.offs), ref, written, dtype, s.name)
+    a, b = s.a.detach().clone().requires_grad_(), s.b.detach().clone().requires_grad_()
+    grad = randn(ref.shape, dtype, device)
+    tg.grouped_mm(a, b, s.offs).backward(grad)
+    a64, b64 = s.a.double().requires_grad_(), s.b.double().requires_grad_()
+    (reference(a64, b64, s.offs)[0] * written).backward(grad.double())
+    assert rel_error(a.grad, a64.grad) <= 1e-2 and rel_error(b.grad, b64.grad) <= 1e-2
+    if torch.device(device).type == "cpu":  # offs in host memory: checked by default
+        bad = torch.tensor([5, 3, 20, 30], dtype=torch.int32, device=device)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="offs must be non-decreasing"):
+                tg.grouped_mm(s.a, s.b, bad)
+    keys = [key for key in mm_module._EAGER_LAUNCHES if key[0] == "tgemm::grouped_mm"]
+    assert len(keys) >= 3
 
 
 def test_bad_offs_unchecked_stay_in_bounds(device, monkeypatch):
@@ -486,7 +517,7 @@ def _no_launch(*_args, **_kwargs):
 @pytest.mark.parametrize("case", range(17))
 def test_bad_input_raises_before_launch(device, case, monkeypatch):
     args, kwargs, error, message = _bad_inputs(device)[case]
-    monkeypatch.setattr(grouped_module, "launch_grouped_mm", _no_launch)
+    monkeypatch.setattr(grouped_module, "_run_grouped_launch", _no_launch)
     with pytest.raises(error, match=re.escape(message)):
         tg.grouped_mm(*args, **kwargs)
     with pytest.raises(error, match=re.escape(message)):

@@ -183,7 +183,7 @@ def test_bad_input_raises_before_launch(device, case, monkeypatch):
     def no_launch(*_args, **_kwargs):
         raise AssertionError("a kernel was launched for bad input")
 
-    monkeypatch.setattr("torch_triton_gemm.ops.mm.launch_mm", no_launch)
+    monkeypatch.setattr("torch_triton_gemm.ops.mm.run_launch", no_launch)
     with pytest.raises(error, match=_escape(message)):
         tg.mm(*args)
 

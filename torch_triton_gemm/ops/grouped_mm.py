@@ -35,25 +35,27 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
-from ._registry import define_triton_op
+from ._registry import define_triton_op, eager_autograd_function
 from .mm import (
     _base_aligned,
     _check,
     _check_operand_pair,
     _check_value,
+    _float32_precision,
     _input_precision,
     _launch,
     _needs_grad,
     _num_sms,
     _plain_eager,
     _tma_operand,
+    memoised_eager_call,
 )
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -318,6 +320,17 @@ def _sym_min(a: int, b: int | torch.SymInt) -> int | torch.SymInt:
     return min(a, b) if type(b) is int else torch.sym_min(a, b)
 
 
+class GroupedLaunch(NamedTuple):
+    """Everything a grouped launch needs but the tensors (a, b, out, bias, offs): the grid, the
+    runtime arguments after the tensors, the tile's meta-parameters, whether it loads through
+    TMA, and (for a launch that is kept and reused) a cache of its compiled kernel."""
+    grid: tuple[Any]
+    args: tuple[Any, ...]
+    meta: dict[str, Any]
+    tma: bool
+    compiled: dict[Any, Any] | None = None
+
+
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                       bias: torch.Tensor | None, out: torch.Tensor, zero_tail: bool = False,
                       traceable: bool = True, use_tma: bool | None = None) -> None:
@@ -328,21 +341,30 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     """
     error = _device.kernel_device_error(a.device)
     _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
+    launch = prepare_grouped_launch(a, b, offs, bias, out, zero_tail, use_tma)
+    if launch is not None:
+        _run_grouped_launch(launch, a, b, offs, bias, out, traceable)
+
+
+def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                           bias: torch.Tensor | None, out: torch.Tensor, zero_tail: bool,
+                           use_tma: bool | None = None) -> GroupedLaunch | None:
+    """Choose loaders and tile and work out the launch (see ``launch_grouped_mm``); None when
+    there is nothing to write."""
     form = _form(a, b)
     p = _Problem(form, a, b, out, offs, bias)
     G, M, N, K = p.G, p.M, p.N, p.K
     if out.numel() == 0 or G == 0 and not zero_tail:
-        return
+        return None
     loads = _tma_loads(form, a, b, p) if use_tma is not False else _pointer_loads(p)
     tma, a_strides, b_strides, flags = loads
-    if tma:
-        _device.install_tma_allocator()
     tile, programs_per_sm = _tile(form, G, M, N, K, a.element_size(),
                                   tma and _device.supports_tma(a.device))
     stride_bias_g, stride_bias_n = p.bias_strides
-    # Runtime arguments in grouped_mm_kernel's order; the tile's meta-parameters come after.
+    # Runtime arguments in grouped_mm_kernel's order after the tensors; the tile's
+    # meta-parameters come after them.
     args = (
-        a, b, out, bias, offs, G, M, N, K,
+        G, M, N, K,
         *a_strides, *b_strides, *p.c_strides, stride_bias_g, stride_bias_n,
         form, zero_tail, bias is not None, tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"],
         _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
@@ -351,7 +373,16 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
     grid = (_sym_min(_num_sms(a.device) * programs_per_sm,
                      _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
-    _launch(grouped_mm_kernel, grid, args, tuning.tile_meta(tile), traceable)
+    return GroupedLaunch(grid, args, tuning.tile_meta(tile), tma)
+
+
+def _run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
+                        offs: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
+                        traceable: bool) -> None:
+    if launch.tma:
+        _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
+    _launch(grouped_mm_kernel, launch.grid, (a, b, out, bias, offs, *launch.args), launch.meta,
+            traceable, launch.compiled)
 
 
 def _tile(form: str, G: Any, M: Any, N: Any, K: Any, element_size: int,
@@ -382,9 +413,55 @@ def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
     return G * tiles_m * tiles_n
 
 
+# --- plain eager calls ----------------------------------------------------------------------------
+# As for tgemm::mm (see mm.memoised_eager_call): checks and launch arithmetic are memoised per
+# call signature (shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out
+# dtype, zero_tail, fp32 precision). offs' values are not in it: they are checked (where
+# TORCH_TRITON_GEMM_CHECK_OFFS asks) on every call.
+
+def _eager_signature(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                     zero_tail: bool) -> tuple[Any, ...]:
+    return (
+        "tgemm::grouped_mm",
+        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+        None if offs is None else (offs.shape, offs.stride(), offs.dtype, offs.device,
+                                   offs.data_ptr() % 16 == 0),
+        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
+                                   bias.data_ptr() % 16 == 0),
+        out_dtype, bool(zero_tail), _float32_precision(),
+    )
+
+
+def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      zero_tail: bool = False) -> torch.Tensor:
+    """The op body for eager calls on real tensors: the kernel launched without wrap_triton,
+    checks and launch arithmetic memoised per call signature."""
+
+    def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
+        out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
+        error = _device.kernel_device_error(a.device)
+        _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
+        launch = prepare_grouped_launch(a, b, offs, bias, out, zero_tail)
+        return out, None if launch is None else launch._replace(compiled={})
+
+    signature = _eager_signature(a, b, offs, bias, out_dtype, zero_tail)
+    out, launch = memoised_eager_call(signature, first_call, a)
+    if offs is not None:
+        _check_offs_values(_form(a, b), a, b, offs)
+    if launch is not None:
+        _run_grouped_launch(launch, a, b, offs, bias, out, False)
+    return out
+
+
 # --- registration -------------------------------------------------------------------------------
 
-grouped_mm_op = define_triton_op("tgemm::grouped_mm", _grouped_mm_impl, _grouped_mm_fake)
+# Eager calls of torch.ops.tgemm.grouped_mm on real tensors reach _grouped_mm_eager through light
+# kernels (see define_triton_op); tracing and compile see the triton_op _grouped_mm_impl.
+grouped_mm_op = define_triton_op("tgemm::grouped_mm", _grouped_mm_impl, _grouped_mm_fake,
+                                 eager_impl=_grouped_mm_eager)
 
 
 # --- autograd -----------------------------------------------------------------------------------
@@ -448,16 +525,9 @@ def _bias_grad(form: str, grad_out: torch.Tensor, offs: torch.Tensor | None) -> 
 grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerGroupedMM(torch.autograd.Function):
-    """The same forward and autograd formulas for plain eager calls, without the dispatcher."""
-
-    @staticmethod
-    def forward(ctx, a, b, offs, bias, out_dtype, zero_tail):  # type: ignore[no-untyped-def]
-        out = _allocate_and_launch(a, b, offs, bias, out_dtype, zero_tail, traceable=False)
-        _setup_context(ctx, (a, b, offs, bias, out_dtype, zero_tail), out)
-        return out
-
-    backward = staticmethod(_backward)
+# The same forward and formulas for plain eager calls of tg.grouped_mm, which skip the
+# dispatcher.
+_EagerGroupedMM = eager_autograd_function(grouped_mm_op)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -493,6 +563,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     if _plain_eager(a, b, offs, bias):
         if _needs_grad(a, b, bias):
             return _EagerGroupedMM.apply(a, b, offs, bias, out_dtype, zero_tail)
-        return _allocate_and_launch(a, b, offs, bias, out_dtype, zero_tail, traceable=False)
+        return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
     return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)
 

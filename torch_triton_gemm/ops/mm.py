@@ -590,8 +590,7 @@ def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 _float32_precision = torch._C._get_float32_matmul_precision
 
 
-_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.dtype,
-                                             PreparedLaunch | None]] = {}
+_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.dtype, Any]] = {}
 _EAGER_LAUNCHES_LIMIT = 4096
 
 
@@ -606,38 +605,39 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
         _check(error is None, lambda: f"tgemm::mm: {error}")
         if out.numel() == 0:
             return out, None
-        return out, prepare_launch(a, b, bias, out, activation, False, None, None)
+        return out, kept(prepare_launch(a, b, bias, out, activation, False, None, None))
 
-    return memoised_eager_launch(_eager_signature(a, b, bias, activation, out_dtype),
-                                 first_call, a, b, bias)
+    out, prepared = memoised_eager_call(_eager_signature(a, b, bias, activation, out_dtype),
+                                        first_call, a)
+    if prepared is not None:
+        run_launch(prepared, a, b, bias, out, None, None, False)
+    return out
 
 
-def memoised_eager_launch(signature: tuple[Any, ...],
-                          first_call: Callable[[], tuple[torch.Tensor, PreparedLaunch | None]],
-                          a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                          scale_a: torch.Tensor | None = None,
-                          scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """An eager GEMM call through the memo of its ``signature`` (which must fix everything the
-    checks and the launch depend on; the op's name among them where two ops share a form).
+def kept(prepared: PreparedLaunch) -> PreparedLaunch:
+    """``prepared`` with caches for the kernels it launches, to be kept and reused."""
+    return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
+
+
+def memoised_eager_call(signature: tuple[Any, ...],
+                        first_call: Callable[[], tuple[torch.Tensor, Any]],
+                        like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The output and the prepared launch (None: nothing to launch) of an eager GEMM call, from
+    the memo of its ``signature``, which must fix everything the checks and the launch depend
+    on (the op's name among them where two ops share a form).
 
     The first call of a signature runs ``first_call``: the checks, then the output and the
-    prepared launch (None: nothing to launch); later calls allocate the output and launch.
+    prepared launch. Later calls only allocate the output (on ``like``'s device).
     """
     known = _EAGER_LAUNCHES.get(signature)
     if known is None:
         out, prepared = first_call()
-        if prepared is not None:
-            prepared = prepared._replace(
-                compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
         if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
             _EAGER_LAUNCHES.clear()
         _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.dtype, prepared)
-    else:
-        shape, dtype, prepared = known
-        out = a.new_empty(shape, dtype=dtype)
-    if prepared is not None:
-        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
-    return out
+        return out, prepared
+    shape, dtype, prepared = known
+    return like.new_empty(shape, dtype=dtype), prepared
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:

@@ -60,9 +60,11 @@ from .mm import (
     _needs_int64_indexing,
     _plain_eager,
     check_epilogue_args,
+    kept,
     launch_mm,
-    memoised_eager_launch,
+    memoised_eager_call,
     prepare_launch,
+    run_launch,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -352,7 +354,7 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
-# As for tgemm::mm (see mm.memoised_eager_launch): an eager call of an fp8 recipe (float32
+# As for tgemm::mm (see mm.memoised_eager_call): an eager call of an fp8 recipe (float32
 # scales) memoises its checks and launch per call signature, which fixes everything they depend
 # on: shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out dtype, the
 # accumulation mode. The microscaled recipes launch their own kernel on every call.
@@ -390,10 +392,13 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.
         if out.numel() == 0:
             return out, None
         scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
-        return out, prepare_launch(a, b, bias, out, "none", False, None, scales)
+        return out, kept(prepare_launch(a, b, bias, out, "none", False, None, scales))
 
     signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-    return memoised_eager_launch(signature, first_call, a, b, bias, scale_a, scale_b)
+    out, prepared = memoised_eager_call(signature, first_call, a)
+    if prepared is not None:
+        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
+    return out
 
 
 # --- registration -------------------------------------------------------------------------------
