@@ -56,6 +56,7 @@ from .mm import (
     _plain_eager,
     _tma_operand,
     memoised_eager_call,
+    tensor_key,
 )
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -423,16 +424,8 @@ def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                      bias: torch.Tensor | None, out_dtype: torch.dtype | None,
                      zero_tail: bool) -> tuple[Any, ...]:
-    return (
-        "tgemm::grouped_mm",
-        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
-        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
-        None if offs is None else (offs.shape, offs.stride(), offs.dtype, offs.device,
-                                   offs.data_ptr() % 16 == 0),
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
-                                   bias.data_ptr() % 16 == 0),
-        out_dtype, bool(zero_tail), _float32_precision(),
-    )
+    return ("tgemm::grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs),
+            tensor_key(bias), out_dtype, bool(zero_tail), _float32_precision())
 
 
 def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,

@@ -525,9 +525,9 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
     """Launch a memoised eager launch through the kernel Triton compiled for it; False where the
     caller must launch through Triton's JIT.
 
-    The launch's memo key (``_eager_signature``) fixes everything Triton specialises on: every
-    argument but the tensors, and of the tensors their dtypes and 16-byte alignment (operands
-    and bias by the key, outputs and workspaces by being fresh allocations). So one compiled
+    The launch's memo key (each op's ``_eager_signature``) fixes everything Triton specialises
+    on: every argument but the tensors, and of the tensors their dtypes and 16-byte alignment
+    (inputs by ``tensor_key``, outputs and workspaces by being fresh allocations). So one compiled
     kernel per device serves every call with that key. Launching it directly skips the JIT's
     argument binding and specialisation, about two thirds of the host time of a small GEMM.
     Triton's launch hooks (profilers) need the JIT's path, which calls them.
@@ -575,15 +575,19 @@ def _launch_hooks_set() -> bool:
 # version), so eager calls memoise them per signature; a signature seen once needs no checks
 # again, and its kernels launch without Triton's JIT (see _launch_compiled).
 
+def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What an eager call's signature holds of a tensor argument (None stays None): shape,
+    strides, dtype, device and 16-byte alignment, all that checks, plans and Triton's
+    specialisation read of it."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                      activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
-    return (
-        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
-        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
-                                   bias.data_ptr() % 16 == 0),
-        activation, out_dtype, _float32_precision(), tuning.TUNED.version,
-    )
+    return (tensor_key(a), tensor_key(b), tensor_key(bias), activation, out_dtype,
+            _float32_precision(), tuning.TUNED.version)
 
 
 # torch.get_float32_matmul_precision without its Python wrapper (read on every eager call).

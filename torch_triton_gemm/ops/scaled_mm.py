@@ -65,6 +65,7 @@ from .mm import (
     memoised_eager_call,
     prepare_launch,
     run_launch,
+    tensor_key,
 )
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -362,18 +363,9 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      scale_b: torch.Tensor, bias: torch.Tensor | None,
                      out_dtype: torch.dtype | None, use_fast_accum: bool) -> tuple[Any, ...]:
-    return (
-        "tgemm::scaled_mm",
-        a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
-        b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
-        scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.device,
-        scale_a.data_ptr() % 16 == 0,
-        scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.device,
-        scale_b.data_ptr() % 16 == 0,
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device,
-                                   bias.data_ptr() % 16 == 0),
-        out_dtype, bool(use_fast_accum), tuning.TUNED.version,
-    )
+    return ("tgemm::scaled_mm", tensor_key(a), tensor_key(b), tensor_key(scale_a),
+            tensor_key(scale_b), tensor_key(bias), out_dtype, bool(use_fast_accum),
+            tuning.TUNED.version)
 
 
 def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
