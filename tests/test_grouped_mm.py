@@ -18,6 +18,7 @@ from samples import make_operand, randn, rel_error, tolerance
 from test_mm import _run_without_interpreter
 
 import torch_triton_gemm as tg
+from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import tuning
 from torch_triton_gemm.ops import grouped_mm as grouped_module
 from torch_triton_gemm.ops import grouped_mm_list as grouped_list_module
@@ -211,20 +212,18 @@ def test_heuristic_tiles(monkeypatch):
     h100_smem = 232448
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: h100_smem)
     tile = tuning.heuristic_grouped_tile
-    assert tile(4096, 14336, 2, True) == tuning.TileConfig(128, 256, 64, 8, 8, 3)  # Mixtral
-    assert tile(128, 2048, 2, True) == tuning.TileConfig(128, 256, 64, 8, 8, 3)  # DeepSeek-V3
+    assert tile(4096, 14336, 2, True) == tuning.TileConfig(128, 256, 64, 16, 8, 3)  # Mixtral
+    assert tile(128, 2048, 2, True) == tuning.TileConfig(128, 256, 64, 16, 8, 3)  # DeepSeek-V3
+    # C stored by TMA: its staging buffer (half a tile) still leaves room for 3 stages, in
+    # every output dtype.
+    for out_size in (2, 4):
+        assert tile(4096, 14336, 2, True, out_size) == tile(4096, 14336, 2, True)
     assert tile(4096, 14336, 2, False) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
     assert tile(4096, 1024, 2, True) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
     assert tile(127, 14336, 2, True).block_m == 64
     assert tile(1, 4096, 2, True).block_m == 16
     assert (tile(4096, 64, 2, True).block_m, tile(4096, 64, 2, True).block_n) == (128, 64)
     assert tile(4096, 4096, 4, False).block_k == 32 and tile(4096, 4096, 1, False).block_k == 128
-    # Weight gradients (contraction grouped): shallow groups get 128x128 tiles, two per SM.
-    assert tile(4096, 14336, 2, True, 256) == tuning.TileConfig(128, 128, 64, 8, 8, 3)
-    assert tuning.grouped_programs_per_sm(4096, 256) == 2
-    assert tile(4096, 14336, 2, True, 1024) == tile(4096, 14336, 2, True)
-    assert tuning.grouped_programs_per_sm(4096, 1024) == 1
-    assert tuning.grouped_programs_per_sm(4096, None) == 1
     for smem in (101376, 166912):  # sm_86 / sm_89, sm_80
         monkeypatch.setattr(tuning._device, "shared_memory_per_block",
                             lambda index, smem=smem: smem)
@@ -834,18 +833,18 @@ def test_gpu_moe_shapes_match_torch(skewed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,experts,n,block", [
-    (2048, 8, 2048, (128, 256)),  # long groups, wide output (128x256 where TMA loads)
-    (2048, 8, 1024, (128, 128)),
-    (2048, 8, 64, (128, 64)),
-    (512, 16, 512, (64, 128)),    # T/G = 32 rows
-    (64, 8, 256, (16, 128)),      # T/G = 8 rows
+@pytest.mark.parametrize("tokens,experts,n,block,skewed", [
+    (2048, 8, 2048, (128, 256), False),  # long groups, wide output (128x256 where TMA loads)
+    (2048, 8, 2048, (128, 256), True),   # groups ending inside tiles: stores clipped there
+    (2048, 8, 1024, (128, 128), False),
+    (2048, 8, 64, (128, 64), False),
+    (512, 16, 512, (64, 128), False),    # T/G = 32 rows
+    (64, 8, 256, (16, 128), False),      # T/G = 8 rows
 ])
-def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block):
-    x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=False)
+def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block, skewed):
+    x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=skewed)
     s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
-    tile, programs_per_sm = grouped_module._tile("m", experts, tokens, n, 512, 2, _loaders(s)[0])
-    assert programs_per_sm == 1
+    tile = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0], 2)
     if block == (128, 256) and not _loaders(s)[0]:
         block = (128, 128)  # GPUs without TMA
     assert (tile.block_m, tile.block_n) == block
@@ -857,25 +856,29 @@ def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,programs_per_sm", [(1024, 2), (8192, 1)])
-def test_gpu_shallow_weight_gradients_run_two_programs_per_sm(tokens, programs_per_sm):
-    """The weight-gradient form with few tokens per expert (128 here) runs 128x128 tiles, two
-    programs per SM; with many (1024), one program per SM. Both match float64 and
-    torch._grouped_mm."""
-    experts, k, n = 8, 512, 384
+@pytest.mark.parametrize("tokens", [1024, 8192])
+def test_gpu_weight_gradients_store_through_tma(tokens):
+    """The weight-gradient form with few (128) and many (1024) tokens per expert, loading and
+    storing through TMA where the GPU has it, in the wide tile: matches float64 and
+    torch._grouped_mm, and the same bits run to run."""
+    experts, k, n = 8, 512, 2304
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
-    tile, programs = grouped_module._tile("k", experts, k, n, tokens, 2, True)
-    assert programs == programs_per_sm
-    if programs == 2:
-        assert tile == tuning.TileConfig(128, 128, 64, 8, 8, 3)
-    out = tg.grouped_mm(x.t(), grad, offs)
+    out = torch.full((experts, k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    launch = grouped_module.prepare_grouped_launch(x.t(), grad, offs, None, out, False)
+    tma = tgemm_device.supports_tma(x.device)
+    c_tma = grouped_module.grouped_mm_kernel.arg_names.index("C_TMA") - 5  # after 5 tensors
+    assert launch.tma == tma and launch.args[c_tma] == tma
+    if tma:
+        assert (launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]) == (128, 256)
+    grouped_module._run_grouped_launch(launch, x.t(), grad, offs, None, out, traceable=False)
     rows = tokens // experts
     ref = torch.stack([xg.double().t() @ gg.double()
                        for xg, gg in zip(x.split(rows), grad.split(rows))])
     assert rel_error(out, ref) <= 1e-2
     assert rel_error(out, torch._grouped_mm(x.t(), grad, offs).double()) <= 1e-2
+    assert torch.equal(tg.grouped_mm(x.t(), grad, offs), out)
 
 
 @pytest.mark.gpu

@@ -252,7 +252,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     else:
         tile = TileConfig(64, 128, 64, 8, 4, 4)
     tma = kernel == "tma" and tma
-    subtile = 2 if tile.block_n >= 128 else 1
+    subtile = epilogue_subtile(tile)
     smem = _device.shared_memory_per_block(0)
     if tma:
         smem -= tma_epilogue_bytes(tile, out_size, subtile)
@@ -310,6 +310,12 @@ def _decode_tile_and_split(n: int, k: int, element_size: int,
 
     _, tile, split = max((option(t) for t in DECODE_TILES), key=lambda o: o[0])
     return tile, split
+
+
+def epilogue_subtile(tile: TileConfig) -> int:
+    """Column slices the TMA epilogue stores a tile of C in: halves from 128 columns on, which
+    halves its staging buffer and lets the first half's store start while the second is staged."""
+    return 2 if tile.block_n >= 128 else 1
 
 
 def tma_epilogue_bytes(tile: TileConfig, out_size: int, subtile: int = 1) -> int:
@@ -586,31 +592,21 @@ GROUPED_TINY_ROWS = 16
 GROUPED_WIDE_N = 2048
 
 
-# Groups whose contraction averages fewer elements than this (the weight gradient of an MoE layer
-# with few tokens per expert) run only a few K steps per tile, so each tile's pipeline fill and
-# epilogue dominate: two programs per SM on 128x128 tiles then overlap one's epilogue with the
-# other's loads (Mixtral's weight gradient at 256 tokens per expert: 0.85x torch._grouped_mm
-# against 0.77x with one program per SM on 128x256 tiles; at 1024 tokens the wide tiles win).
-GROUPED_SHALLOW_K = 512
-
-
-def _shallow_groups(m_per_group: int, k_per_group: int | None) -> bool:
-    return (k_per_group is not None and k_per_group < GROUPED_SHALLOW_K
-            and m_per_group >= GROUPED_SMALL_ROWS)
-
-
 def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: bool,
-                           k_per_group: int | None = None) -> TileConfig:
-    """The grouped kernel's tile for groups of ``m_per_group`` output rows (on average), ``n``
-    output columns and ``k_per_group`` contraction elements (on average; None: not grouped)
-    each, ``tma`` when the operands load through TMA descriptors (Hopper).
+                           tma_out_size: int = 0) -> TileConfig:
+    """The grouped kernel's tile for groups of ``m_per_group`` output rows (on average) and
+    ``n`` output columns each, ``tma`` when the operands load through TMA descriptors (Hopper),
+    ``tma_out_size`` (C's element size) when C is stored through them too (its staging buffer
+    takes shared memory from the pipeline's stages).
 
     - interpreter: the small tile every interpreted kernel uses;
     - T/G under 16 rows: 16x128 tiles; under 128 rows: 64x128 tiles, 4 warps, 4 stages;
-    - a grouped contraction under GROUPED_SHALLOW_K: 128x128x64, 8 warps, 3 stages, two
-      programs per SM (``grouped_programs_per_sm``);
-    - otherwise (MoE layers): 128x256x64 with 8 warps and 3 stages when N is large and TMA feeds
-      the tiles, 128x64 tiles for narrow outputs, else 128x128x64 with 8 warps and 4 stages.
+    - otherwise (MoE layers): 128x256x64 with 8 warps, 3 stages and 16-row bands when N is
+      large and TMA feeds the tiles, 128x64 tiles for narrow outputs, else 128x128x64 with 8
+      warps and 4 stages. The wide tile also serves weight gradients with few tokens per
+      expert: with each group's tiles in one flattened pipeline, Mixtral's at 256 tokens per
+      expert ran 0.93x torch._grouped_mm on an H100, against 0.90x for two programs per SM on
+      128x128 tiles (which had beaten the wide tile without flattening).
     """
     if _device.interpreter_enabled():
         return INTERPRETER_TILE
@@ -618,21 +614,14 @@ def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: boo
         tile = TileConfig(16, 128, 64, 1, 4, 4)
     elif m_per_group < GROUPED_SMALL_ROWS:
         tile = TileConfig(64, 128, 64, 8, 4, 4)
-    elif _shallow_groups(m_per_group, k_per_group):
-        tile = TileConfig(128, 128, 64, 8, 8, 3)
     elif tma and n >= GROUPED_WIDE_N:
-        tile = TileConfig(128, 256, 64, 8, 8, 3)
+        tile = TileConfig(128, 256, 64, 16, 8, 3)
     elif n <= 64:
         tile = TileConfig(128, 64, 64, 8, 4, 4)
     else:
         tile = TileConfig(128, 128, 64, 8, 8, 4)
-    return _fit_shared_memory(_for_dtype(tile, element_size), element_size,
-                              _device.shared_memory_per_block(0))
+    smem = _device.shared_memory_per_block(0)
+    if tma_out_size:
+        smem -= tma_epilogue_bytes(tile, tma_out_size, epilogue_subtile(tile))
+    return _fit_shared_memory(_for_dtype(tile, element_size), element_size, smem)
 
-
-def grouped_programs_per_sm(m_per_group: int, k_per_group: int | None) -> int:
-    """Programs per SM of the persistent grouped kernel: two for shallow grouped contractions
-    (see GROUPED_SHALLOW_K; their tile leaves room for two in shared memory), else one."""
-    if _device.interpreter_enabled():
-        return 1
-    return 2 if _shallow_groups(m_per_group, k_per_group) else 1

@@ -15,8 +15,8 @@ offs, the persistent walk over the groups' tiles, and the list kernel's problem 
 import triton
 import triton.language as tl
 
-from .tiles import accumulate, grouped_tile, k_loop, store_epilogue, widen
-from .tma import load_operand, operand_descriptor
+from .tiles import accumulate, bias_activation, grouped_tile, k_loop, store_epilogue, widen
+from .tma import load_operand, operand_descriptor, store_tile
 
 # Columns of the list kernel's problem table (int64, one row per problem).
 TABLE_A = tl.constexpr(0)  # addresses of A, B and C
@@ -106,30 +106,6 @@ def pointer_tile(
     )
 
 
-@triton.jit
-def descriptor_tile(
-    a_desc, b_desc, c_ptr, bias_ptr, off_m, off_n, k0, k1, m1, n1,
-    stride_cm, stride_cn, stride_bias,
-    HAS_BIAS: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Compute and store the tile at (off_m, off_n) of A[:, k0:k1] @ B[k0:k1, :] with operands
-    loaded through TMA descriptors (``operand_descriptor``) that end at the group's last row
-    m1, column n1 and contraction index k1: loads past them read zeros, so nothing is masked
-    but the store."""
-    rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
-    cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k0, k1, BLOCK_K):
-        a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
-        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-        # Unscaled products: no scales.
-        acc = accumulate(acc, a, b, 1.0, 1.0, INPUT_PRECISION, UPCAST_TO_FP32, "none", False)
-    store_epilogue(acc, c_ptr, bias_ptr, rows, cols, m1, n1, stride_cm, stride_cn, stride_bias,
-                   HAS_BIAS, "none")
-
-
 # --- kernels ------------------------------------------------------------------------------------
 
 @triton.jit
@@ -142,18 +118,22 @@ def grouped_mm_kernel(
     stride_bias_g, stride_bias_n,
     GROUPED: tl.constexpr, ZERO_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_TMA: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+    C_TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Persistent: program p computes tiles p, p + P, p + 2P, ... of one numbering that lists
     # group 0's output tiles (in GROUP_M-row bands for L2 reuse), then group 1's, and so on.
     # Every program walks the groups in order, reading each group's extent from offs on the
-    # device, so the launch never depends on offs on the host. A tile's K loop streams A and B
-    # through TMA descriptors that end where the group ends (USE_TMA), or through pointers with
-    # wrapped rows and a masked K remainder; the epilogue adds the group's bias, casts, and
-    # stores the rows and columns inside the group. ZERO_TAIL then writes zeros past the last
-    # group ("m": rows of C, "n": columns of C); without it they are left as they were.
-    # M, N and K are the full extents (the grouped one included).
+    # device, so the launch never depends on offs on the host. With USE_TMA, A and B arrive
+    # through TMA descriptors that end where the group ends, and a program's tiles of one group
+    # run as one flattened software pipeline (all have the group's K steps), so one tile's
+    # epilogue overlaps the next tile's first loads; C_TMA stores tiles asynchronously through
+    # a descriptor clipped at the group's end, in EPILOGUE_SUBTILE column slices. Otherwise
+    # tiles load through pointers with wrapped rows and a masked K remainder. The epilogue adds
+    # the group's bias, casts, and stores the rows and columns inside the group. ZERO_TAIL then
+    # writes zeros past the last group ("m": rows of C, "n": columns of C); without it they are
+    # left as they were. M, N and K are the full extents (the grouped one included).
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -179,17 +159,41 @@ def grouped_mm_kernel(
                                             BLOCK_K, A_M_CONTIGUOUS)
                 b_desc = operand_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
                                             BLOCK_N, B_K_CONTIGUOUS)
-            while tile < tiles_end:
-                pid_m, pid_n = grouped_tile(tile - tiles_before, m1 - m0, n1 - n0,
-                                            BLOCK_M, BLOCK_N, GROUP_M)
-                if USE_TMA:
-                    descriptor_tile(
-                        a_desc, b_desc, c_g, bias_g, m0 + pid_m * BLOCK_M, n0 + pid_n * BLOCK_N,
-                        k0, k1, m1, n1, stride_cm, stride_cn, stride_bias_n,
-                        HAS_BIAS, A_M_CONTIGUOUS, B_K_CONTIGUOUS, INPUT_PRECISION,
-                        UPCAST_TO_FP32, INDEX_64, BLOCK_M, BLOCK_N, BLOCK_K,
-                    )
-                else:
+                if C_TMA:
+                    c_desc = tl.make_tensor_descriptor(
+                        c_g, shape=[m1, n1], strides=[stride_cm, 1],
+                        block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
+                k_tiles = tl.cdiv(k1 - k0, BLOCK_K)
+                for t in tl.range(tile, tiles_end, num_programs, flatten=True):
+                    pid_m, pid_n = grouped_tile(t - tiles_before, m1 - m0, n1 - n0,
+                                                BLOCK_M, BLOCK_N, GROUP_M)
+                    off_m = m0 + pid_m * BLOCK_M
+                    off_n = n0 + pid_n * BLOCK_N
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    k = k0
+                    for _ in range(k_tiles):
+                        a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
+                        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
+                        # Unscaled products: no scales.
+                        acc = accumulate(acc, a, b, 1.0, 1.0, INPUT_PRECISION, UPCAST_TO_FP32,
+                                         "none", False)
+                        k += BLOCK_K
+                    cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+                    if C_TMA:
+                        acc = bias_activation(acc, bias_g, cols, n1, stride_bias_n, HAS_BIAS,
+                                              "none")
+                        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n,
+                                   BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+                    else:
+                        rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+                        store_epilogue(acc, c_g, bias_g, rows, cols, m1, n1, stride_cm,
+                                       stride_cn, stride_bias_n, HAS_BIAS, "none")
+                # This program's first tile past the group, in its stride.
+                tile += tl.cdiv(tiles_end - tile, num_programs) * num_programs
+            else:
+                while tile < tiles_end:
+                    pid_m, pid_n = grouped_tile(tile - tiles_before, m1 - m0, n1 - n0,
+                                                BLOCK_M, BLOCK_N, GROUP_M)
                     kw = widen(k0, INDEX_64)
                     pointer_tile(
                         a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g,
@@ -198,7 +202,7 @@ def grouped_mm_kernel(
                         stride_bias_n, HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
                         BLOCK_M, BLOCK_N, BLOCK_K,
                     )
-                tile += num_programs
+                    tile += num_programs
         tiles_before = tiles_end
     if ZERO_TAIL:
         # The rows (GROUPED "m") or columns ("n") from the last group's end on, as one more

@@ -17,6 +17,7 @@ import triton.language as tl
 from .tiles import (
     accumulate,
     bias_activation,
+    column_halves,
     grouped_tile,
     k_loop,
     outer_scales,
@@ -24,7 +25,7 @@ from .tiles import (
     store_epilogue,
     widen,
 )
-from .tma import load_operand, operand_descriptor
+from .tma import load_operand, operand_descriptor, store_tile
 
 
 @triton.jit
@@ -51,12 +52,6 @@ def store_partial(acc, ws_ptr, slot, offs_m, offs_n, M, N,
     pipeline's buffers."""
     ws_tile = ws_ptr + widen(slot, INDEX_64) * (BLOCK_M * BLOCK_N)
     store_partial_slice(acc, ws_tile, 0, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, BLOCK_N)
-
-
-@triton.jit
-def column_halves(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """The left and right halves of a [ROWS, COLUMNS] tile."""
-    return tl.split(tl.reshape(x, (ROWS, 2, COLUMNS // 2)).permute(0, 2, 1))
 
 
 @triton.jit
@@ -180,13 +175,8 @@ def mm_tma_kernel(
             store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
         elif C_TMA:
             acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
-            c = acc.to(c_ptr.dtype.element_ty)
-            if EPILOGUE_SUBTILE == 2:
-                c0, c1 = column_halves(c, BLOCK_M, BLOCK_N)
-                c_desc.store([off_m, off_n], c0)
-                c_desc.store([off_m, off_n + BLOCK_N // 2], c1)
-            else:
-                c_desc.store([off_m, off_n], c)
+            store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n, BLOCK_M, BLOCK_N,
+                       EPILOGUE_SUBTILE)
         else:
             store_epilogue(
                 acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,

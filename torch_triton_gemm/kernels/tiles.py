@@ -35,6 +35,12 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def column_halves(x, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """The left and right halves of a [ROWS, COLUMNS] tile."""
+    return tl.split(tl.reshape(x, (ROWS, 2, COLUMNS // 2)).permute(0, 2, 1))
+
+
+@triton.jit
 def widen(x, INDEX_64: tl.constexpr):
     """Promote an index (tensor, runtime scalar or specialised constant) to int64 when asked.
 

@@ -12,6 +12,8 @@ Loads past the described extent come back as zeros: tiles on the M, N and K edge
 import triton
 import triton.language as tl
 
+from .tiles import column_halves
+
 
 @triton.jit
 def operand_descriptor(ptr, rows, cols, stride_rows, stride_cols,
@@ -35,3 +37,18 @@ def load_operand(desc, row, col, ROWS_CONTIGUOUS: tl.constexpr):
         return desc.load([col, row]).T
     else:
         return desc.load([row, col])
+
+
+@triton.jit
+def store_tile(desc, c, row, col, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SUBTILE: tl.constexpr):
+    """Store the [BLOCK_M, BLOCK_N] tile c at (row, col) through a descriptor of
+    [BLOCK_M, BLOCK_N // SUBTILE] blocks (SUBTILE 1 or 2). Stores are asynchronous and clipped
+    at the described extent; in two column halves, the staging buffer is half the size and the
+    first half is on its way while the second is written to shared memory."""
+    if SUBTILE == 2:
+        c0, c1 = column_halves(c, BLOCK_M, BLOCK_N)
+        desc.store([row, col], c0)
+        desc.store([row, col + BLOCK_N // 2], c1)
+    else:
+        desc.store([row, col], c)

@@ -304,6 +304,17 @@ def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
             {"A_M_CONTIGUOUS": a_m, "B_K_CONTIGUOUS": b_k})
 
 
+def _tma_stores(form: str, out: torch.Tensor, p: _Problem) -> bool:
+    """Whether the TMA path can also store C through descriptors: a unit stride along N, the
+    other strides (and every group's base) on 16-byte boundaries, and groups that start on
+    whole rows of C (not the "n" form, whose groups are column ranges)."""
+    size = out.element_size()
+    strides = p.c_strides
+    return (form != "n" and all(type(x) is int for x in strides) and strides[2] == 1
+            and strides[1] * size % 16 == 0 and strides[0] * size % 16 == 0
+            and _base_aligned(out))
+
+
 def _pointer_loads(p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...], dict[str, bool]]:
     """``_tma_loads``'s answer for the pointer loaders: the operands' own strides."""
     return False, p.a_strides, p.b_strides, {"A_M_CONTIGUOUS": False, "B_K_CONTIGUOUS": False}
@@ -360,8 +371,9 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
         return None
     loads = _tma_loads(form, a, b, p) if use_tma is not False else _pointer_loads(p)
     tma, a_strides, b_strides, flags = loads
-    tile, programs_per_sm = _tile(form, G, M, N, K, a.element_size(),
-                                  tma and _device.supports_tma(a.device))
+    c_tma = tma and _tma_stores(form, out, p)
+    tile = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device),
+                 out.element_size() if c_tma else 0)
     stride_bias_g, stride_bias_n = p.bias_strides
     # Runtime arguments in grouped_mm_kernel's order after the tensors; the tile's
     # meta-parameters come after them.
@@ -369,11 +381,12 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
         G, M, N, K,
         *a_strides, *b_strides, *p.c_strides, stride_bias_g, stride_bias_n,
         form, zero_tail, bias is not None, tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"],
+        c_tma, tuning.epilogue_subtile(tile) if c_tma else 1,
         _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
-    grid = (_sym_min(_num_sms(a.device) * programs_per_sm,
+    grid = (_sym_min(_num_sms(a.device),
                      _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
     return GroupedLaunch(grid, args, tuning.tile_meta(tile), tma)
 
@@ -387,19 +400,18 @@ def _run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
             traceable, launch.compiled)
 
 
-def _tile(form: str, G: Any, M: Any, N: Any, K: Any, element_size: int,
-          tma: bool) -> tuple[tuning.TileConfig, int]:
-    """The heuristic's tile and programs per SM for a group's average extents (offs' values
-    stay on the device); one tile for all sizes when they are symbolic."""
-    if any(type(x) is not int for x in (G, M, N, K)):
-        return tuning.symbolic_tile(element_size), 1
+def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,
+          tma_out_size: int) -> tuning.TileConfig:
+    """The heuristic's tile for a group's average extents (offs' values stay on the device);
+    one tile for all sizes when they are symbolic. ``tma_out_size``: C's element size when C is
+    stored through TMA, else 0."""
+    if any(type(x) is not int for x in (G, M, N)):
+        return tuning.symbolic_tile(element_size)
     groups = max(G, 1)
     m_per_group = M // groups if form == "m" else M
     n_per_group = N // groups if form == "n" else N
-    k_per_group = K // groups if form == "k" else None
-    tile = tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
-                                         k_per_group)
-    return tile, tuning.grouped_programs_per_sm(m_per_group, k_per_group)
+    return tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
+                                         tma_out_size)
 
 
 def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
