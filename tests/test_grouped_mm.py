@@ -844,7 +844,7 @@ def test_gpu_moe_shapes_match_torch(skewed):
 def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block, skewed):
     x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=skewed)
     s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
-    tile = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0], 2)
+    tile, _ = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0], 2, 132)
     if block == (128, 256) and not _loaders(s)[0]:
         block = (128, 128)  # GPUs without TMA
     assert (tile.block_m, tile.block_n) == block
@@ -855,13 +855,30 @@ def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block, skewe
     assert rel_error(out[written], expected[written].double()) <= 1e-2
 
 
+def test_tma_stores_only_for_groups_of_many_tiles(monkeypatch):
+    """C goes out through TMA where a group averages GROUPED_TMA_STORE_TILES_PER_SM output
+    tiles per SM or more (Mixtral's weight gradient), through pointers for groups of a few
+    tiles per SM (an MoE layer at 1024 tokens per expert, DeepSeek's 128-row groups), and
+    always under the interpreter."""
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    wide = tuning.TileConfig(128, 256, 64, 16, 8, 3)
+    assert tuning.grouped_tma_store(wide, 4096, 14336, 132)
+    assert not tuning.grouped_tma_store(wide, 1024, 4096, 132)
+    assert not tuning.grouped_tma_store(wide, 128, 2048, 132)
+    tiles = tuning.GROUPED_TMA_STORE_TILES_PER_SM * 132
+    assert tuning.grouped_tma_store(wide, 128 * tiles, 256, 132)
+    assert not tuning.grouped_tma_store(wide, 128 * tiles - 128, 256, 132)
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: True)
+    assert tuning.grouped_tma_store(wide, 16, 16, 132)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_gpu_weight_gradients_store_through_tma(tokens):
-    """The weight-gradient form with few (128) and many (1024) tokens per expert, loading and
-    storing through TMA where the GPU has it, in the wide tile: matches float64 and
-    torch._grouped_mm, and the same bits run to run."""
-    experts, k, n = 8, 512, 2304
+    """The weight-gradient form with few (128) and many (1024) tokens per expert and groups of
+    many tiles, loading and storing through TMA where the GPU has it, in the wide tile: matches
+    float64 and torch._grouped_mm, and the same bits run to run."""
+    experts, k, n = 8, 4096, 6144  # 768 tiles of 128x256 per group: >= 4 per SM up to 192 SMs
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
@@ -879,6 +896,31 @@ def test_gpu_weight_gradients_store_through_tma(tokens):
     assert rel_error(out, ref) <= 1e-2
     assert rel_error(out, torch._grouped_mm(x.t(), grad, offs).double()) <= 1e-2
     assert torch.equal(tg.grouped_mm(x.t(), grad, offs), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subtile", [1, 2])
+def test_gpu_tma_stores_clip_at_group_ends(subtile):
+    """The TMA store path forced on small groups (the heuristic keeps it for large ones): MoE
+    rows routed unevenly (groups ending inside tiles, some empty, rows left after the last
+    group) and the weight gradient of the same routing. Every group matches float64, and the
+    rows after the last group keep their poison."""
+    if not tgemm_device.supports_tma(torch.device("cuda")):
+        pytest.skip("needs TMA (Hopper or newer)")
+    x, w, offs = _moe_problem(1963, 8, 512, 2048, skewed=True)
+    x = torch.cat([x, torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)])  # past offs
+    grad = torch.randn(2000, 768, device="cuda", dtype=torch.bfloat16)
+    c_tma = grouped_module.grouped_mm_kernel.arg_names.index("C_TMA") - 5
+    for a, b in ((x, w.transpose(-2, -1)), (x.t(), grad)):
+        ref, written = reference(a, b, offs)
+        out = torch.full(ref.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch = grouped_module.prepare_grouped_launch(a, b, offs, None, out, False)
+        assert launch.tma
+        args = (*launch.args[:c_tma], True, subtile, *launch.args[c_tma + 2:])
+        grouped_module._run_grouped_launch(launch._replace(args=args), a, b, offs, None, out,
+                                           traceable=False)
+        assert rel_error(out[written], ref[written]) <= 1e-2
+        assert out[~written].isnan().all()
 
 
 @pytest.mark.gpu

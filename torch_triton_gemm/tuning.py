@@ -592,6 +592,26 @@ GROUPED_TINY_ROWS = 16
 GROUPED_WIDE_N = 2048
 
 
+# C goes out through TMA (asynchronous stores clipped at each group's end) only where a group
+# averages at least this many output tiles per SM: each program builds the store's descriptor
+# for every group it has tiles in, which costs more than the stores save on groups of a few tiles
+# per program (an MoE layer at 1024 tokens per expert on an H100: 0.88-0.96x torch._grouped_mm
+# with TMA stores against 0.91-1.01x without), and pays off on large groups (Mixtral's weight
+# gradient, 1792 tiles per group: 1.02-1.03x against 0.98-1.01x).
+GROUPED_TMA_STORE_TILES_PER_SM = 4
+
+
+def grouped_tma_store(tile: TileConfig, m_per_group: int, n_per_group: int,
+                      num_sms: int) -> bool:
+    """Whether the grouped kernel should store C through TMA (where it can) for groups of
+    ``m_per_group`` x ``n_per_group`` outputs on average; always under the interpreter, which
+    then runs the same code as Hopper."""
+    if _device.interpreter_enabled():
+        return True
+    tiles = -(-m_per_group // tile.block_m) * -(-n_per_group // tile.block_n)
+    return tiles >= GROUPED_TMA_STORE_TILES_PER_SM * num_sms
+
+
 def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: bool,
                            tma_out_size: int = 0) -> TileConfig:
     """The grouped kernel's tile for groups of ``m_per_group`` output rows (on average) and

@@ -372,8 +372,8 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
     loads = _tma_loads(form, a, b, p) if use_tma is not False else _pointer_loads(p)
     tma, a_strides, b_strides, flags = loads
     c_tma = tma and _tma_stores(form, out, p)
-    tile = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device),
-                 out.element_size() if c_tma else 0)
+    tile, c_tma = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device),
+                        out.element_size() if c_tma else 0, _num_sms(a.device))
     stride_bias_g, stride_bias_n = p.bias_strides
     # Runtime arguments in grouped_mm_kernel's order after the tensors; the tile's
     # meta-parameters come after them.
@@ -401,17 +401,19 @@ def _run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
 
 
 def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,
-          tma_out_size: int) -> tuning.TileConfig:
-    """The heuristic's tile for a group's average extents (offs' values stay on the device);
-    one tile for all sizes when they are symbolic. ``tma_out_size``: C's element size when C is
-    stored through TMA, else 0."""
+          tma_out_size: int, num_sms: int) -> tuple[tuning.TileConfig, bool]:
+    """The heuristic's tile for a group's average extents (offs' values stay on the device),
+    and whether C goes out through TMA (``tma_out_size``: C's element size where it can, else
+    0); one tile and pointer stores for all sizes when they are symbolic."""
     if any(type(x) is not int for x in (G, M, N)):
-        return tuning.symbolic_tile(element_size)
+        return tuning.symbolic_tile(element_size), False
     groups = max(G, 1)
     m_per_group = M // groups if form == "m" else M
     n_per_group = N // groups if form == "n" else N
-    return tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
+    tile = tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
                                          tma_out_size)
+    return tile, tma_out_size > 0 and tuning.grouped_tma_store(tile, m_per_group, n_per_group,
+                                                               num_sms)
 
 
 def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
