@@ -595,8 +595,8 @@ GROUPED_WIDE_N = 2048
 # C goes out through TMA (asynchronous stores clipped at each group's end) only where a group
 # averages at least this many output tiles per SM: each program builds the store's descriptor
 # for every group it has tiles in, which costs more than the stores save on groups of a few tiles
-# per program (an MoE layer at 1024 tokens per expert on an H100: 0.88-0.96x torch._grouped_mm
-# with TMA stores against 0.91-1.01x without), and pays off on large groups (Mixtral's weight
+# per program (an MoE layer at 1024 tokens per expert on an H100: 0.84-0.99x torch._grouped_mm
+# with TMA stores against 0.87-1.01x without), and pays off on large groups (Mixtral's weight
 # gradient, 1792 tiles per group: 1.02-1.03x against 0.98-1.01x).
 GROUPED_TMA_STORE_TILES_PER_SM = 4
 
