@@ -136,6 +136,12 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return -(-k // k_per_split), k_per_split
 
 
+def output_tiles(m: Any, n: Any, tile: TileConfig) -> Any:
+    """How many of ``tile``'s [block_m, block_n] tiles cover an m x n output (sizes may be
+    symbolic)."""
+    return ((m + tile.block_m - 1) // tile.block_m) * ((n + tile.block_n - 1) // tile.block_n)
+
+
 def _most_splits(k: int, block_k: int) -> int:
     """The most K splits that keep MIN_K_STEPS_PER_SPLIT BLOCK_K steps each (at most
     MAX_SPLIT_K)."""
@@ -168,7 +174,7 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
     Each split writes and re-reads an fp32 partial of C: unless the partials stay in L2, splits
     that would add more than a quarter of the operands' bytes are not taken.
     """
-    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    tiles = output_tiles(m, n, tile)
     if tiles >= 0.5 * num_sms:
         return 1
     most = _most_splits(k, tile.block_k)
@@ -534,7 +540,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
 def _tail_split(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:
     """K splits that spread the last, partial wave's tiles over about one wave of SMs (1: no
     partial wave, or K too short to split)."""
-    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    tiles = output_tiles(m, n, tile)
     tail = tiles % num_sms
     most = _most_splits(k, tile.block_k)
     if tiles < num_sms or tail == 0 or most < 2:
@@ -608,7 +614,7 @@ def grouped_tma_store(tile: TileConfig, m_per_group: int, n_per_group: int,
     then runs the same code as Hopper."""
     if _device.interpreter_enabled():
         return True
-    tiles = -(-m_per_group // tile.block_m) * -(-n_per_group // tile.block_n)
+    tiles = output_tiles(m_per_group, n_per_group, tile)
     return tiles >= GROUPED_TMA_STORE_TILES_PER_SM * num_sms
 
 

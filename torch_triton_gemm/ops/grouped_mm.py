@@ -352,8 +352,6 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     ``traceable=False`` launches the Triton kernel directly instead of through ``wrap_triton``,
     for plain eager calls that nothing traces; ``use_tma=False`` keeps to the pointer loaders.
     """
-    error = _device.kernel_device_error(a.device)
-    _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
     launch = prepare_grouped_launch(a, b, offs, bias, out, zero_tail, use_tma)
     if launch is not None:
         _run_grouped_launch(launch, a, b, offs, bias, out, traceable)
@@ -363,7 +361,9 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
                            bias: torch.Tensor | None, out: torch.Tensor, zero_tail: bool,
                            use_tma: bool | None = None) -> GroupedLaunch | None:
     """Choose loaders and tile and work out the launch (see ``launch_grouped_mm``); None when
-    there is nothing to write."""
+    there is nothing to write. Raises where no kernel can run on the operands' device."""
+    error = _device.kernel_device_error(a.device)
+    _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
     form = _form(a, b)
     p = _Problem(form, a, b, out, offs, bias)
     G, M, N, K = p.G, p.M, p.N, p.K
@@ -450,8 +450,6 @@ def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
 
     def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
         out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
-        error = _device.kernel_device_error(a.device)
-        _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
         launch = prepare_grouped_launch(a, b, offs, bias, out, zero_tail)
         return out, None if launch is None else launch._replace(compiled={})
 

@@ -109,7 +109,7 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
         (m, k), n = x.shape, y.shape[1]
         rows.append([x.data_ptr(), y.data_ptr(), c.data_ptr(), m, n, k, *x.stride(), *y.stride(),
                      *c.stride()])
-        tiles += -(-m // tile.block_m) * -(-n // tile.block_n)
+        tiles += tuning.output_tiles(m, n, tile)
     if tiles == 0:
         return
     assert len(rows[0]) == TABLE_COLUMNS.value

@@ -428,7 +428,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         plan = tuning.symbolic_mm_plan(a.element_size())
         split_k, k_per_split = 1, K
     tile = plan.tile
-    tiles = ((M + tile.block_m - 1) // tile.block_m) * ((N + tile.block_n - 1) // tile.block_n)
+    tiles = tuning.output_tiles(M, N, tile)
     whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, _num_sms(device))
     split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
     index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),

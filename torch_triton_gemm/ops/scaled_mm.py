@@ -345,7 +345,7 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     )
     if tile is None:
         tile = tuning.heuristic_scaled_mm_tile(M, N, scaling)
-    grid = (((M + tile.block_m - 1) // tile.block_m) * ((N + tile.block_n - 1) // tile.block_n),)
+    grid = (tuning.output_tiles(M, N, tile),)
     kernel_meta = tuning.tile_meta(tile)
     if traceable:
         wrap_triton(scaled_mm_kernel)[grid](**dict(zip(scaled_mm_kernel.arg_names, args)),
