@@ -383,6 +383,43 @@ def test_tma_allocator_reaches_threads_that_never_set_one():
     assert seen == [tgemm_device._allocate_scratch]
 
 
+@pytest.mark.gpu
+def test_tma_scratch_is_shared_per_stream_and_fresh_in_graph_captures():
+    """Eager launches on one stream take one descriptor scratch buffer (kernels on a stream run
+    one after another); another stream has its own, and a launch captured into a CUDA graph gets
+    one from the graph's pool, since the graph may replay alongside eager work."""
+    from torch_triton_gemm import device as tgemm_device
+
+    main = torch.cuda.current_stream()
+    first = tgemm_device._allocate_scratch(1024, 128, main.cuda_stream)
+    assert tgemm_device._allocate_scratch(512, 128, main.cuda_stream).data_ptr() == \
+        first.data_ptr()
+    grown = tgemm_device._allocate_scratch(1 << 20, 128, main.cuda_stream)
+    assert grown.numel() >= 1 << 20
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = tgemm_device._allocate_scratch(1024, 128, side.cuda_stream)
+    assert other.data_ptr() != grown.data_ptr()
+
+    # A TMA product replayed on a side stream while eager TMA products run on the main stream.
+    plan = tuning.MMPlan("tma", tuning.TileConfig(128, 128, 64, 8, 4, 3))
+    x, w = randn((1024, 512), torch.bfloat16, "cuda"), randn((768, 512), torch.bfloat16, "cuda")
+    y, v = randn((1024, 512), torch.bfloat16, "cuda"), randn((640, 512), torch.bfloat16, "cuda")
+    with tuning.force_plan(plan):
+        tg.mm(x, w.t())  # compile outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tg.mm(x, w.t())
+        side.wait_stream(main)
+        for _ in range(5):
+            with torch.cuda.stream(side):
+                graph.replay()
+            eager = tg.mm(y, v.t())
+            assert rel_error(eager, reference(y, v.t())) <= 1e-2
+        main.wait_stream(side)
+    assert rel_error(captured, reference(x, w.t())) <= 1e-2
+
+
 def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(monkeypatch):
     """Any plan is made valid for a recipe (blockwise K steps inside one scale block); the
     heuristic picks the recipe's plan: 64x128 tiles two per SM for blockwise, 128x128 tiles
