@@ -193,6 +193,72 @@ def test_ops_and_min_size():
     assert ov.counts == routed_counts(bmm=1, fallback=1)
 
 
+def _spied_planners(monkeypatch) -> dict[str, int]:
+    """Count the planner calls of the aten-level kernels registered from now on; start with no
+    routed signatures remembered."""
+    calls = {op.name: 0 for op in aten_override._ATEN_OPS}
+
+    def spy(op):  # type: ignore[no-untyped-def]
+        def planner(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[op.name] += 1
+            return op.planner(*args, **kwargs)
+        return op._replace(planner=planner)
+
+    monkeypatch.setattr(aten_override, "_ATEN_OPS", tuple(map(spy, aten_override._ATEN_OPS)))
+    monkeypatch.setattr(aten_override, "_ROUTED_PRODUCTS", {})
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_repeated_plain_products_skip_the_planner(monkeypatch, dtype, highest_fp32):
+    calls = _spied_planners(monkeypatch)
+    x, weight, bias = randn(12, 40, dtype=dtype), randn(24, 40, dtype=dtype), randn(24, dtype=dtype)
+    refs = (x.double() @ weight.double().t(),
+            x.double() @ weight.double().t() + bias.double())
+    with tg.override(level="aten") as ov:
+        outs = [(torch.mm(x, weight.t()), F.linear(x, weight, bias)) for _ in range(3)]
+    # The first call of each signature is planned; the others reuse its decision.
+    assert calls["mm"] == 1 and calls["addmm"] == 1, calls
+    assert ov.counts == routed_counts(mm=3, addmm=3)
+    for out in outs:
+        for got, ref in zip(out, refs):
+            assert got.dtype == dtype and rel_err(got, ref) <= TOLERANCE[dtype]
+        for got, first in zip(out, outs[0]):
+            assert torch.equal(got, first)  # same kernels, same bits
+
+
+def test_remembered_products_respect_settings_and_arguments(monkeypatch, highest_fp32):
+    calls = _spied_planners(monkeypatch)
+    a, b, bias = randn(8, 16), randn(16, 8), randn(8)
+    with tg.override(level="aten") as ov:
+        a @ b, torch.addmm(bias, a, b)
+    assert ov.counts == routed_counts(mm=1, addmm=1)
+    # Routers with other settings decide for themselves: the remembered signatures were routed
+    # under ops and min_size they do not share.
+    with tg.override(level="aten", ops=("bmm",)) as ov:
+        plain = a @ b
+    assert ov.counts == routed_counts(fallback=1) and torch.equal(plain, torch.mm(a, b))
+    with tg.override(level="aten", min_size=8 * 16 * 8 + 1) as ov:
+        torch.addmm(bias, a, b)
+    assert ov.counts == routed_counts(fallback=1)
+    # beta / alpha other than 1, a broadcast bias and logging routers are planned every time.
+    planned = dict(calls)
+    with tg.override(level="aten") as ov:
+        for _ in range(2):
+            scaled = torch.addmm(bias, a, b, beta=0.5, alpha=2)
+            broadcast = torch.addmm(bias[:1], a, b)
+    assert calls["addmm"] - planned["addmm"] == 4
+    assert ov.counts == routed_counts(addmm=4)
+    assert rel_err(scaled, 0.5 * bias.double() + 2 * (a.double() @ b.double())) <= TOLERANCE[
+        torch.float32]
+    assert rel_err(broadcast, bias[:1].double() + a.double() @ b.double()) <= TOLERANCE[
+        torch.float32]
+    with tg.override(level="aten", log=True) as ov:
+        for _ in range(2):
+            a @ b
+    assert calls["mm"] - planned["mm"] == 2 and ov.counts == routed_counts(mm=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", GROUPED_CASES)
 def test_grouped_mm(case, dtype, highest_fp32):

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
 from .override import (
     _KERNEL_DEVICE_TYPES,
@@ -97,15 +98,62 @@ def _argument_position(name: str, argument: str) -> int:
     return [a.name for a in schema.arguments].index(argument)
 
 
+# --- the fast route of repeated plain products ----------------------------------------------------
+# A model's GEMMs repeat a few signatures every step, and most are plain products: aten::mm, or
+# aten::addmm with a bias of N and beta = alpha = 1, which the planners route to tgemm.mm as they
+# are. Once the planner has routed a signature, later calls with it go straight to tgemm.mm's
+# memoised launch, skipping the planner (whose decision depends only on the signature and the
+# router's settings). Host time per routed GEMM matters: a small model's eager step issues
+# hundreds of them.
+_ROUTED_PRODUCTS: dict[tuple[Any, ...], str] = {}
+_ROUTED_PRODUCTS_LIMIT = 4096
+
+
+def _plain_product(name: str, args: tuple, kwargs: dict
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(a, b, bias) of an aten::mm / aten::addmm call that the planners would route to tgemm.mm
+    unchanged if they route it at all, or None."""
+    if name == "mm" and len(args) == 2 and not kwargs:
+        a, b = args
+        bias = None
+    elif (name == "addmm" and len(args) == 3 and kwargs.keys() <= {"beta", "alpha"}
+          and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1):
+        bias, a, b = args
+        if bias.dim() != 1 or b.dim() != 2 or bias.shape[0] != b.shape[1]:
+            return None
+    else:
+        return None
+    # The conditions under which tgemm.mm takes its memoised eager path (plain tensors, no mode,
+    # not tracing), where the planner's run would end too.
+    if not _mm_module._plain_eager(a, b, bias):
+        return None
+    return a, b, bias
+
+
+def _routed_key(router: Router, name: str, a: torch.Tensor, b: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[Any, ...]:
+    return (name, router.ops, router.min_size,
+            _mm_module._eager_signature(a, b, bias, "none", None))
+
+
 def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
     """The kernel registered for ``op``: route the call through ``_ACTIVE``'s decision, or call
     the kernel registered before."""
     name = "aten::" + op.name
+    may_be_plain = op.name in ("mm", "addmm")
 
     def kernel(keyset, *args, **kwargs):  # type: ignore[no-untyped-def]
         router = _ACTIVE
         if router is None or getattr(_ROUTING, "busy", False):
             return previous.call_boxed(keyset, *args, **kwargs)
+        product = _plain_product(op.name, args, kwargs) if may_be_plain else None
+        key = None
+        if product is not None and not router.log:
+            key = _routed_key(router, op.name, *product)
+            family = _ROUTED_PRODUCTS.get(key)
+            if family is not None:
+                router._count(family)
+                return _mm_module._eager_allocate_and_launch(*product, "none", None, key[-1])
         out = kwargs.pop("out", None)
         grad_mode = torch.is_grad_enabled()
         # Below autograd already: aten's formula records this call's graph node. tgemm's
@@ -120,6 +168,10 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
                     plan = f"out has dtype {out.dtype}, the product has {wanted}"
             plan = router.decide(name, plan, args)
             result = None if plan is None else plan.run()
+            if key is not None and plan is not None:
+                if len(_ROUTED_PRODUCTS) >= _ROUTED_PRODUCTS_LIMIT:
+                    _ROUTED_PRODUCTS.clear()
+                _ROUTED_PRODUCTS[key] = plan.family
         finally:
             _ROUTING.busy = False
             torch._C._set_grad_enabled(grad_mode)

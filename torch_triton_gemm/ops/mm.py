@@ -599,9 +599,14 @@ _EAGER_LAUNCHES_LIMIT = 4096
 
 
 def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                               activation: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+                               activation: str, out_dtype: torch.dtype | None,
+                               signature: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """A plain eager call (see _plain_eager) without autograd; ``signature``, when the caller
+    has it, is this call's ``_eager_signature``."""
     if tuning.forced_plan() is not None:
         return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
+    if signature is None:
+        signature = _eager_signature(a, b, bias, activation, out_dtype)
 
     def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
         out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
@@ -611,8 +616,7 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
             return out, None
         return out, kept(prepare_launch(a, b, bias, out, activation, False, None, None))
 
-    out, prepared = memoised_eager_call(_eager_signature(a, b, bias, activation, out_dtype),
-                                        first_call, a)
+    out, prepared = memoised_eager_call(signature, first_call, a)
     if prepared is not None:
         run_launch(prepared, a, b, bias, out, None, None, False)
     return out
