@@ -8,6 +8,7 @@ Hugging Face Llama and Inductor's output code.
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib.util
 import logging
@@ -855,15 +856,19 @@ def test_llama_like_model_fp32(highest_fp32):
 
 
 @requires_tgemm
-def test_dropin_example_runs(capsys):
+@pytest.mark.parametrize("level", [None, "python", "aten"])
+def test_dropin_example_runs(capsys, level):
     dropin = _load_dropin_example()
     tiny = ["--hidden", "32", "--heads", "2", "--layers", "1", "--vocab", "64", "--seq", "8",
             "--batch", "2", "--steps", "2", "--warmup", "0", "--dtype", "float32"]
-    losses = dropin.main(tiny)
+    losses = dropin.main(tiny + ([] if level is None else ["--level", level]))
     assert len(losses["override"]) == 2
     for routed, plain in zip(losses["override"], losses["plain"]):
         assert abs(routed - plain) <= 1e-3 * abs(plain)
-    assert "calls routed to tgemm::mm" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"override level {level or 'aten'}" in out  # eager steps default to the aten level
+    counts = re.search(r"calls routed to tgemm::mm: (\{.*\})", out)
+    assert counts is not None and ast.literal_eval(counts.group(1))["mm"] > 0
 
 
 # --- GPU: a Hugging Face Llama, profiler and Inductor's code --------------------------------------
