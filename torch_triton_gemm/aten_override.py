@@ -146,14 +146,16 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         router = _ACTIVE
         if router is None or getattr(_ROUTING, "busy", False):
             return previous.call_boxed(keyset, *args, **kwargs)
-        product = _plain_product(op.name, args, kwargs) if may_be_plain else None
-        key = None
-        if product is not None and not router.log:
-            key = _routed_key(router, op.name, *product)
-            family = _ROUTED_PRODUCTS.get(key)
-            if family is not None:
-                router._count(family)
-                return _mm_module._eager_allocate_and_launch(*product, "none", None, key[-1])
+        key = None  # set for a plain product, whose routing is then remembered
+        if may_be_plain and not router.log:  # (a logging router plans, and logs, every call)
+            product = _plain_product(op.name, args, kwargs)
+            if product is not None:
+                key = _routed_key(router, op.name, *product)
+                family = _ROUTED_PRODUCTS.get(key)
+                if family is not None:
+                    router._count(family)
+                    return _mm_module._eager_allocate_and_launch(*product, "none", None,
+                                                                 key[-1])
         out = kwargs.pop("out", None)
         grad_mode = torch.is_grad_enabled()
         # Below autograd already: aten's formula records this call's graph node. tgemm's
