@@ -383,6 +383,35 @@ def test_tma_allocator_reaches_threads_that_never_set_one():
     assert seen == [tgemm_device._allocate_scratch]
 
 
+def test_tma_scratch_sharing_rule(monkeypatch):
+    """Which launches share the per-stream descriptor scratch buffer, with the CUDA calls
+    stubbed: tgemm's eager launches (inside SHARED_SCRATCH) on one device and stream, grown on
+    demand; not other launches, other streams or CUDA graph captures."""
+    from torch_triton_gemm import device as tgemm_device
+
+    capturing = [False]
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0],
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda size, device=None, dtype=None: empty(size,
+                                                                                    dtype=dtype))
+    monkeypatch.setattr(tgemm_device, "_SCRATCH_BUFFERS", {})
+    allocate = tgemm_device._allocate_scratch
+    assert allocate(64, 128, 7) is not allocate(64, 128, 7)
+    with tgemm_device.SHARED_SCRATCH:
+        first = allocate(64, 128, 7)
+        assert allocate(32, 128, 7) is first
+        grown = allocate(256, 128, 7)
+        assert grown is not first and grown.numel() >= 256
+        assert allocate(64, 128, 7) is grown
+        assert allocate(64, 128, 8) is not grown
+        capturing[0] = True
+        assert allocate(64, 128, 7) is not grown
+        capturing[0] = False
+    assert allocate(64, 128, 7) is not grown
+
+
 @pytest.mark.gpu
 def test_tma_scratch_is_shared_per_stream_and_fresh_in_graph_captures():
     """Eager launches on one stream take one descriptor scratch buffer (kernels on a stream run
@@ -391,15 +420,18 @@ def test_tma_scratch_is_shared_per_stream_and_fresh_in_graph_captures():
     from torch_triton_gemm import device as tgemm_device
 
     main = torch.cuda.current_stream()
-    first = tgemm_device._allocate_scratch(1024, 128, main.cuda_stream)
-    assert tgemm_device._allocate_scratch(512, 128, main.cuda_stream).data_ptr() == \
-        first.data_ptr()
-    grown = tgemm_device._allocate_scratch(1 << 20, 128, main.cuda_stream)
-    assert grown.numel() >= 1 << 20
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        other = tgemm_device._allocate_scratch(1024, 128, side.cuda_stream)
-    assert other.data_ptr() != grown.data_ptr()
+    with tgemm_device.SHARED_SCRATCH:
+        first = tgemm_device._allocate_scratch(1024, 128, main.cuda_stream)
+        assert tgemm_device._allocate_scratch(512, 128, main.cuda_stream).data_ptr() == \
+            first.data_ptr()
+        grown = tgemm_device._allocate_scratch(1 << 20, 128, main.cuda_stream)
+        assert grown.numel() >= 1 << 20
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            other = tgemm_device._allocate_scratch(1024, 128, side.cuda_stream)
+        assert other.data_ptr() != grown.data_ptr()
+    assert tgemm_device._allocate_scratch(1024, 128, main.cuda_stream).data_ptr() != \
+        grown.data_ptr()  # launches outside tgemm's eager path get their own
 
     # A TMA product replayed on a side stream while eager TMA products run on the main stream.
     plan = tuning.MMPlan("tma", tuning.TileConfig(128, 128, 64, 8, 4, 3))

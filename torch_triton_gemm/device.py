@@ -108,12 +108,15 @@ def supports_tma(device: torch.device) -> bool:
 
 def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side TMA descriptors live in a small global-memory scratch buffer that Triton asks
-    # its allocator for at each launch. Kernels on one stream run one after another, so a launch
-    # may take the buffer of the previous launch on its stream: one buffer per device and
-    # stream, grown on demand, saves an allocation per launch (host time of small eager GEMMs).
-    # While a CUDA graph is captured the buffer comes from the graph's memory pool instead: a
-    # graph may be replayed on any stream, alongside eager launches.
-    if torch._C._cuda_isCurrentStreamCapturing():
+    # its allocator for at each launch. tgemm's own eager launches (inside ``SHARED_SCRATCH``)
+    # take one buffer per device and stream, grown on demand: kernels on one stream run one
+    # after another (tgemm launches none with programmatic dependent launch), so a launch may
+    # take the buffer of the previous one, which saves an allocation per launch (host time of
+    # small eager GEMMs). Other launches -- kernels of other libraries that use this allocator,
+    # graphs compiled by Inductor, CUDA graph captures (a graph may replay on any stream,
+    # alongside eager launches) -- get a buffer of their own, from the graph's pool when
+    # capturing.
+    if not getattr(_SHARING, "on", False) or torch._C._cuda_isCurrentStreamCapturing():
         return torch.empty(size, device="cuda", dtype=torch.int8)
     key = (torch._C._cuda_getDevice(), stream)
     buffer = _SCRATCH_BUFFERS.get(key)
@@ -123,8 +126,23 @@ def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Te
     return buffer
 
 
-# The scratch buffer of each (device index, stream) seen outside CUDA graph capture.
+# The scratch buffer of each (device index, stream) that tgemm's eager launches have used.
 _SCRATCH_BUFFERS: dict[tuple[int, int | None], torch.Tensor] = {}
+_SHARING = threading.local()
+
+
+class _SharedScratch:
+    """``with SHARED_SCRATCH:`` -- this thread's launches in the block take the shared
+    per-stream scratch buffer (see ``_allocate_scratch``); for tgemm's own eager launches."""
+
+    def __enter__(self) -> None:
+        _SHARING.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _SHARING.on = False
+
+
+SHARED_SCRATCH = _SharedScratch()
 
 
 _TMA_ALLOCATOR = threading.local()

@@ -516,8 +516,10 @@ def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[
     if traceable:
         # Arguments may be symbolic here: pass them by name, as wrap_triton expects.
         wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
-    elif compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta):
-        kernel[grid](*args, **meta)
+        return
+    with _device.SHARED_SCRATCH:
+        if compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta):
+            kernel[grid](*args, **meta)
 
 
 def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
