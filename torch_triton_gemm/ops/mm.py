@@ -596,7 +596,9 @@ def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 _float32_precision = torch._C._get_float32_matmul_precision
 
 
-_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[Any, ...], torch.dtype, Any]] = {}
+# Signature -> (out's shape, strides and dtype, the prepared launch or None).
+_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], torch.dtype,
+                                             Any]] = {}
 _EAGER_LAUNCHES_LIMIT = 4096
 
 
@@ -637,17 +639,19 @@ def memoised_eager_call(signature: tuple[Any, ...],
     on (the op's name among them where two ops share a form).
 
     The first call of a signature runs ``first_call``: the checks, then the output and the
-    prepared launch. Later calls only allocate the output (on ``like``'s device).
+    prepared launch. Later calls only allocate the output, as the first call made it, on
+    ``like``'s device (``empty_strided``, the cheapest of torch's allocating calls: no option
+    parsing from a template tensor as in ``new_empty``).
     """
     known = _EAGER_LAUNCHES.get(signature)
     if known is None:
         out, prepared = first_call()
         if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
             _EAGER_LAUNCHES.clear()
-        _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.dtype, prepared)
+        _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.stride(), out.dtype, prepared)
         return out, prepared
-    shape, dtype, prepared = known
-    return like.new_empty(shape, dtype=dtype), prepared
+    shape, strides, dtype, prepared = known
+    return torch.empty_strided(shape, strides, dtype=dtype, device=like.device), prepared
 
 
 def _plain_eager(*tensors: torch.Tensor | None) -> bool:
