@@ -213,13 +213,16 @@ def _spied_planners(monkeypatch) -> dict[str, int]:
 def test_repeated_plain_products_skip_the_planner(monkeypatch, dtype, highest_fp32):
     calls = _spied_planners(monkeypatch)
     x, weight, bias = randn(12, 40, dtype=dtype), randn(24, 40, dtype=dtype), randn(24, dtype=dtype)
+    q, k = randn(3, 10, 16, dtype=dtype), randn(3, 12, 16, dtype=dtype)  # attention scores
     refs = (x.double() @ weight.double().t(),
-            x.double() @ weight.double().t() + bias.double())
+            x.double() @ weight.double().t() + bias.double(),
+            q.double() @ k.double().transpose(1, 2))
     with tg.override(level="aten") as ov:
-        outs = [(torch.mm(x, weight.t()), F.linear(x, weight, bias)) for _ in range(3)]
+        outs = [(torch.mm(x, weight.t()), F.linear(x, weight, bias),
+                 torch.bmm(q, k.transpose(1, 2))) for _ in range(3)]
     # The first call of each signature is planned; the others reuse its decision.
-    assert calls["mm"] == 1 and calls["addmm"] == 1, calls
-    assert ov.counts == routed_counts(mm=3, addmm=3)
+    assert calls["mm"] == 1 and calls["addmm"] == 1 and calls["bmm"] == 1, calls
+    assert ov.counts == routed_counts(mm=3, addmm=3, bmm=3)
     for out in outs:
         for got, ref in zip(out, refs):
             assert got.dtype == dtype and rel_err(got, ref) <= TOLERANCE[dtype]
@@ -257,6 +260,16 @@ def test_remembered_products_respect_settings_and_arguments(monkeypatch, highest
         for _ in range(2):
             a @ b
     assert calls["mm"] - planned["mm"] == 2 and ov.counts == routed_counts(mm=2)
+    # A batch that b shares (a stride-0 batch, or one entry) folds into M of one tgemm.mm:
+    # planned every time.
+    a3, shared = randn(3, 8, 16), b.expand(3, 16, 8)
+    with tg.override(level="aten") as ov:
+        for _ in range(2):
+            folded = torch.bmm(a3, shared)
+            single = torch.bmm(a3[:1], shared[:1])
+    assert calls["bmm"] - planned["bmm"] == 4 and ov.counts == routed_counts(bmm=4)
+    assert rel_err(folded, a3.double() @ b.double()) <= TOLERANCE[torch.float32]
+    assert rel_err(single, a3[:1].double() @ b.double()) <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

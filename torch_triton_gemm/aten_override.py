@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
 from .override import (
@@ -99,20 +100,36 @@ def _argument_position(name: str, argument: str) -> int:
 
 
 # --- the fast route of repeated plain products ----------------------------------------------------
-# A model's GEMMs repeat a few signatures every step, and most are plain products: aten::mm, or
-# aten::addmm with a bias of N and beta = alpha = 1, which the planners route to tgemm.mm as they
-# are. Once the planner has routed a signature, later calls with it go straight to tgemm.mm's
-# memoised launch, skipping the planner (whose decision depends only on the signature and the
-# router's settings). Host time per routed GEMM matters: a small model's eager step issues
-# hundreds of them.
+# A model's GEMMs repeat a few signatures every step, and most are plain products that the
+# planners route to one tgemm eager call on the operands as they are: aten::mm, aten::addmm with
+# a bias of N and beta = alpha = 1 (tgemm.mm), aten::bmm of a batch not shared by b
+# (tgemm.grouped_mm, 3-D x 3-D). Once the planner has routed such a call, later calls with its
+# signature go straight to that eager call, skipping the planner (whose decision depends only on
+# the signature and the router's settings). Host time per routed GEMM matters: a small model's
+# eager step issues hundreds of them.
 _ROUTED_PRODUCTS: dict[tuple[Any, ...], str] = {}
 _ROUTED_PRODUCTS_LIMIT = 4096
+_REMEMBERED_OPS = ("mm", "addmm", "bmm")
 
 
-def _plain_product(name: str, args: tuple, kwargs: dict
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """(a, b, bias) of an aten::mm / aten::addmm call that the planners would route to tgemm.mm
-    unchanged if they route it at all, or None."""
+def _plain_route(name: str, args: tuple, kwargs: dict
+                 ) -> tuple[tuple[Any, ...], Callable[[], torch.Tensor]] | None:
+    """The eager signature and the direct tgemm call of an aten::mm / addmm / bmm call that the
+    planners route to that call if they route it at all, or None.
+
+    Only where tgemm's eager path would be taken anyway (plain tensors, no mode, not tracing):
+    the planner's run ends there too.
+    """
+    if name == "bmm":
+        if len(args) != 2 or kwargs:
+            return None
+        a, b = args
+        # The planner folds a batch that b shares (one entry, or a stride-0 batch) into M.
+        if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or b.shape[0] < 2
+                or b.stride(0) == 0 or not _mm_module._plain_eager(a, b)):
+            return None
+        return (_grouped_module._eager_signature(a, b, None, None, None, False),
+                lambda: _grouped_module._grouped_mm_eager(a, b))
     if name == "mm" and len(args) == 2 and not kwargs:
         a, b = args
         bias = None
@@ -123,39 +140,33 @@ def _plain_product(name: str, args: tuple, kwargs: dict
             return None
     else:
         return None
-    # The conditions under which tgemm.mm takes its memoised eager path (plain tensors, no mode,
-    # not tracing), where the planner's run would end too.
     if not _mm_module._plain_eager(a, b, bias):
         return None
-    return a, b, bias
-
-
-def _routed_key(router: Router, name: str, a: torch.Tensor, b: torch.Tensor,
-                bias: torch.Tensor | None) -> tuple[Any, ...]:
-    return (name, router.ops, router.min_size,
-            _mm_module._eager_signature(a, b, bias, "none", None))
+    signature = _mm_module._eager_signature(a, b, bias, "none", None)
+    return signature, lambda: _mm_module._eager_allocate_and_launch(a, b, bias, "none", None,
+                                                                    signature)
 
 
 def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
     """The kernel registered for ``op``: route the call through ``_ACTIVE``'s decision, or call
     the kernel registered before."""
     name = "aten::" + op.name
-    may_be_plain = op.name in ("mm", "addmm")
+    remembers = op.name in _REMEMBERED_OPS
 
     def kernel(keyset, *args, **kwargs):  # type: ignore[no-untyped-def]
         router = _ACTIVE
         if router is None or getattr(_ROUTING, "busy", False):
             return previous.call_boxed(keyset, *args, **kwargs)
         key = None  # set for a plain product, whose routing is then remembered
-        if may_be_plain and not router.log:  # (a logging router plans, and logs, every call)
-            product = _plain_product(op.name, args, kwargs)
-            if product is not None:
-                key = _routed_key(router, op.name, *product)
+        if remembers and not router.log:  # (a logging router plans, and logs, every call)
+            route = _plain_route(op.name, args, kwargs)
+            if route is not None:
+                signature, run = route
+                key = (op.name, router.ops, router.min_size, signature)
                 family = _ROUTED_PRODUCTS.get(key)
                 if family is not None:
                     router._count(family)
-                    return _mm_module._eager_allocate_and_launch(*product, "none", None,
-                                                                 key[-1])
+                    return run()
         out = kwargs.pop("out", None)
         grad_mode = torch.is_grad_enabled()
         # Below autograd already: aten's formula records this call's graph node. tgemm's
