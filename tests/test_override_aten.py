@@ -205,7 +205,7 @@ def _spied_planners(monkeypatch) -> dict[str, int]:
         return op._replace(planner=planner)
 
     monkeypatch.setattr(aten_override, "_ATEN_OPS", tuple(map(spy, aten_override._ATEN_OPS)))
-    monkeypatch.setattr(aten_override, "_ROUTED_PRODUCTS", {})
+    monkeypatch.setattr(aten_override, "_ROUTED_CALLS", {})
     return calls
 
 
@@ -244,14 +244,17 @@ def test_remembered_products_respect_settings_and_arguments(monkeypatch, highest
     with tg.override(level="aten", min_size=8 * 16 * 8 + 1) as ov:
         torch.addmm(bias, a, b)
     assert ov.counts == routed_counts(fallback=1)
-    # beta / alpha other than 1, a broadcast bias and logging routers are planned every time.
+    # beta / alpha other than 1, biases that are not [N] and logging routers are planned every
+    # time.
     planned = dict(calls)
     with tg.override(level="aten") as ov:
         for _ in range(2):
             scaled = torch.addmm(bias, a, b, beta=0.5, alpha=2)
             broadcast = torch.addmm(bias[:1], a, b)
-    assert calls["addmm"] - planned["addmm"] == 4
-    assert ov.counts == routed_counts(addmm=4)
+            row = torch.addmm(bias[None], a, b)  # a [1, N] bias: fused, after a reshape
+    assert calls["addmm"] - planned["addmm"] == 6
+    assert ov.counts == routed_counts(addmm=6)
+    assert rel_err(row, bias.double() + a.double() @ b.double()) <= TOLERANCE[torch.float32]
     assert rel_err(scaled, 0.5 * bias.double() + 2 * (a.double() @ b.double())) <= TOLERANCE[
         torch.float32]
     assert rel_err(broadcast, bias[:1].double() + a.double() @ b.double()) <= TOLERANCE[

@@ -99,74 +99,74 @@ def _argument_position(name: str, argument: str) -> int:
     return [a.name for a in schema.arguments].index(argument)
 
 
-# --- the fast route of repeated plain products ----------------------------------------------------
-# A model's GEMMs repeat a few signatures every step, and most are plain products that the
-# planners route to one tgemm eager call on the operands as they are: aten::mm, aten::addmm with
-# a bias of N and beta = alpha = 1 (tgemm.mm), aten::bmm of a batch not shared by b
-# (tgemm.grouped_mm, 3-D x 3-D). Once the planner has routed such a call, later calls with its
-# signature go straight to that eager call, skipping the planner (whose decision depends only on
-# the signature and the router's settings). Host time per routed GEMM matters: a small model's
-# eager step issues hundreds of them.
-_ROUTED_PRODUCTS: dict[tuple[Any, ...], str] = {}
-_ROUTED_PRODUCTS_LIMIT = 4096
-_REMEMBERED_OPS = ("mm", "addmm", "bmm")
+# --- remembered routes ------------------------------------------------------------------------
+# A model's GEMMs repeat a few signatures every step, and most are routed to one tgemm call on
+# the operands as they are (the planner's plan says so: ``_Plan.direct``). Once the planner has
+# routed a call that way, later calls with its signature (the eager signature of that tgemm
+# call: every tensor's shape, strides, dtype, device and alignment, fp32 precision, tuned-plan
+# version; with the call's scalars and the router's settings) go straight to that call's eager
+# path: the planner's decision depends on nothing else. Host time per routed GEMM matters: a
+# small model's eager step issues hundreds of them.
+class _Direct(NamedTuple):
+    kind: str  # the tgemm call of the op's direct plans, as in ``_Plan.direct``
+    arity: int  # positional arguments of the aten op
+    operands: Callable[[tuple], tuple[torch.Tensor | None, ...]]  # that call's, from the op's
 
 
-def _plain_route(name: str, args: tuple, kwargs: dict
-                 ) -> tuple[tuple[Any, ...], Callable[[], torch.Tensor]] | None:
-    """The eager signature and the direct tgemm call of an aten::mm / addmm / bmm call that the
-    planners route to that call if they route it at all, or None.
+_DIRECT_CALLS = {
+    "mm": _Direct("mm", 2, lambda args: (args[0], args[1], None)),
+    "addmm": _Direct("mm", 3, lambda args: (args[1], args[2], args[0])),  # input is the bias
+    "bmm": _Direct("grouped", 2, lambda args: args),
+}
+_ROUTED_CALLS: dict[tuple[Any, ...], str] = {}  # routed key -> family
+_ROUTED_CALLS_LIMIT = 4096
 
-    Only where tgemm's eager path would be taken anyway (plain tensors, no mode, not tracing):
-    the planner's run ends there too.
-    """
-    if name == "bmm":
-        if len(args) != 2 or kwargs:
-            return None
-        a, b = args
-        # The planner folds a batch that b shares (one entry, or a stride-0 batch) into M.
-        if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or b.shape[0] < 2
-                or b.stride(0) == 0 or not _mm_module._plain_eager(a, b)):
-            return None
-        return (_grouped_module._eager_signature(a, b, None, None, None, False),
-                lambda: _grouped_module._grouped_mm_eager(a, b))
-    if name == "mm" and len(args) == 2 and not kwargs:
-        a, b = args
-        bias = None
-    elif (name == "addmm" and len(args) == 3 and kwargs.keys() <= {"beta", "alpha"}
-          and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1):
-        bias, a, b = args
-        if bias.dim() != 1 or b.dim() != 2 or bias.shape[0] != b.shape[1]:
-            return None
-    else:
-        return None
-    if not _mm_module._plain_eager(a, b, bias):
-        return None
-    signature = _mm_module._eager_signature(a, b, bias, "none", None)
-    return signature, lambda: _mm_module._eager_allocate_and_launch(a, b, bias, "none", None,
-                                                                    signature)
+
+def _eager_signature(kind: str, operands: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    if kind == "mm":
+        return _mm_module._eager_signature(*operands, "none", None)
+    return _grouped_module._eager_signature(*operands, None, None, None, False)
+
+
+def _is_direct(plan: Any, kind: str, operands: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the planner's plan is the direct call ``kind`` on these very operands."""
+    if plan.direct is None or plan.direct[0] != kind:
+        return False
+    planned = plan.direct[1]
+    return len(planned) == len(operands) and all(x is y for x, y in zip(planned, operands))
+
+
+def _run_direct(kind: str, operands: tuple[torch.Tensor | None, ...],
+                signature: tuple[Any, ...]) -> torch.Tensor:
+    """The direct call, on its eager path (no autograd: below it already)."""
+    if kind == "mm":
+        return _mm_module._eager_allocate_and_launch(*operands, "none", None, signature)
+    return _grouped_module._grouped_mm_eager(*operands)
 
 
 def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
     """The kernel registered for ``op``: route the call through ``_ACTIVE``'s decision, or call
     the kernel registered before."""
     name = "aten::" + op.name
-    remembers = op.name in _REMEMBERED_OPS
+    direct = _DIRECT_CALLS.get(op.name)
 
     def kernel(keyset, *args, **kwargs):  # type: ignore[no-untyped-def]
         router = _ACTIVE
         if router is None or getattr(_ROUTING, "busy", False):
             return previous.call_boxed(keyset, *args, **kwargs)
-        key = None  # set for a plain product, whose routing is then remembered
-        if remembers and not router.log:  # (a logging router plans, and logs, every call)
-            route = _plain_route(op.name, args, kwargs)
-            if route is not None:
-                signature, run = route
-                key = (op.name, router.ops, router.min_size, signature)
-                family = _ROUTED_PRODUCTS.get(key)
-                if family is not None:
-                    router._count(family)
-                    return run()
+        # Where this call's route may be remembered: its operands, as the direct call takes
+        # them, and its key. Logging routers plan (and log) every call.
+        operands = key = None
+        if (direct is not None and not router.log and len(args) == direct.arity
+                and _mm_module._plain_eager(*args)
+                and (not kwargs or all(type(v) in (int, float, bool) for v in kwargs.values()))):
+            operands = direct.operands(args)
+            signature = _eager_signature(direct.kind, operands)
+            key = (op.name, router.ops, router.min_size, tuple(kwargs.items()), signature)
+            family = _ROUTED_CALLS.get(key)
+            if family is not None:
+                router._count(family)
+                return _run_direct(direct.kind, operands, signature)
         out = kwargs.pop("out", None)
         grad_mode = torch.is_grad_enabled()
         # Below autograd already: aten's formula records this call's graph node. tgemm's
@@ -181,10 +181,10 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
                     plan = f"out has dtype {out.dtype}, the product has {wanted}"
             plan = router.decide(name, plan, args)
             result = None if plan is None else plan.run()
-            if key is not None and plan is not None:
-                if len(_ROUTED_PRODUCTS) >= _ROUTED_PRODUCTS_LIMIT:
-                    _ROUTED_PRODUCTS.clear()
-                _ROUTED_PRODUCTS[key] = plan.family
+            if key is not None and plan is not None and _is_direct(plan, direct.kind, operands):
+                if len(_ROUTED_CALLS) >= _ROUTED_CALLS_LIMIT:
+                    _ROUTED_CALLS.clear()
+                _ROUTED_CALLS[key] = plan.family
         finally:
             _ROUTING.busy = False
             torch._C._set_grad_enabled(grad_mode)

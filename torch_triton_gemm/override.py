@@ -113,6 +113,10 @@ class _Plan(NamedTuple):
     size: int  # multiply-adds, M * N * K (times the batch), compared with ``min_size``
     run: Callable[[], torch.Tensor]
     op: str = "tgemm::mm"  # the op that runs it, for the log
+    # Set where ``run`` amounts to one tgemm call on these tensors, no cast or copy first:
+    # ("mm", (a, b, bias)) for tgemm.mm(a, b, bias), ("grouped", (a, b)) for a 3-D x 3-D
+    # tgemm.grouped_mm(a, b). The aten level remembers such plans (aten_override.py).
+    direct: tuple[str, tuple[torch.Tensor | None, ...]] | None = None
 
 
 def _bind(args: tuple, kwargs: dict, names: tuple[str, ...],
@@ -161,8 +165,10 @@ def _matrix_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                  dtype: torch.dtype) -> _Plan:
     m, k = a.shape
     n = b.shape[1]
+    uncast = all(t is None or t.dtype == dtype for t in (a, b, bias))
     return _Plan(family, m * n * k,
-                 lambda: _tgemm(_cast(a, dtype), _cast(b, dtype), _cast(bias, dtype)))
+                 lambda: _tgemm(_cast(a, dtype), _cast(b, dtype), _cast(bias, dtype)),
+                 direct=("mm", (a, b, bias)) if uncast else None)
 
 
 def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -218,7 +224,12 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
         b3 = _cast(b, dtype).expand(*batch, k, n).reshape(count, k, n)
         return _tgemm_grouped(a3, b3).reshape(*batch, m, n)
 
-    return _Plan("bmm", count * m * n * k, run, "tgemm::grouped_mm")
+    # Two 3-D operands of one batch in the compute dtype: the expands and reshapes are views of
+    # the operands as they are.
+    direct = (a.shape == (count, m, k) and b.shape == (count, k, n)
+              and a.dtype == b.dtype == dtype)
+    return _Plan("bmm", count * m * n * k, run, "tgemm::grouped_mm",
+                 ("grouped", (a, b)) if direct else None)
 
 
 def _plan_linear(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
@@ -286,7 +297,7 @@ def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str
         return "input does not broadcast to [M, N] (PyTorch raises)"
     # The common case, nn.Linear's bias: tgemm's epilogue adds a row of N in fp32.
     if beta == 1 and alpha == 1 and bias.shape[-1:] == (n,) and bias.numel() == n:
-        return _matrix_plan("addmm", a, b, bias.reshape(n), dtype)
+        return _matrix_plan("addmm", a, b, bias if bias.dim() == 1 else bias.reshape(n), dtype)
     return _Plan("addmm", m * n * k, lambda: _scaled_sum(
         lambda: _tgemm(_cast(a, dtype), _cast(b, dtype), out_dtype=torch.float32),
         _cast(bias, dtype), beta, alpha, dtype))
