@@ -46,6 +46,8 @@ import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm.ops import mm as mm_module
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 WORLD = 2
 PLACEMENTS = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "S2": Shard(2), "P": Partial()}
 
@@ -494,3 +496,57 @@ def test_tensor_parallel_on_two_gpus(tmp_path):
     _assert_grouped(results)
     _assert_scaled(results, 1e-3)
     _assert_mlp(results)
+
+
+# Sharding propagation computes an op's output metadata on FakeTensors (torch 2.11 builds them on
+# the CPU whatever the mesh's device), outside any graph; tracing that records the kernels must
+# still refuse tensors they cannot run on. Run with compiled Triton (the ops are triton_ops).
+_METADATA_SCRIPT = """
+import torch, torch_triton_gemm as tg
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+with FakeTensorMode(), disable_proxy_modes_tracing():
+    a = torch.empty(6, 8, dtype=torch.bfloat16)
+    w = torch.empty(10, 8, dtype=torch.bfloat16)
+    out = torch.ops.tgemm.mm(a, w.t(), None, "relu", torch.float32)
+    print("mm", tuple(out.shape), out.stride(), out.dtype, out.device.type)
+    ga, gb = torch.empty(3, 6, 8, dtype=torch.float16), torch.empty(3, 8, 5, dtype=torch.float16)
+    out = torch.ops.tgemm.grouped_mm(ga, gb)
+    print("grouped_mm", tuple(out.shape), out.dtype)
+    fa = torch.empty(16, 32, dtype=torch.float8_e4m3fn)
+    fb = torch.empty(16, 32, dtype=torch.float8_e4m3fn).t()
+    one = torch.empty((), dtype=torch.float32)
+    out = torch.ops.tgemm.scaled_mm(fa, fb, one, one, None, torch.bfloat16)
+    print("scaled_mm", tuple(out.shape), out.dtype)
+    try:
+        torch.ops.tgemm.mm(a, torch.empty(7, 10, dtype=torch.bfloat16))
+    except RuntimeError as error:
+        print("checked:", str(error).splitlines()[0])
+with FakeTensorMode():
+    a, w = torch.empty(6, 8), torch.empty(10, 8)
+try:
+    # Functional tracing (what AOT and Inductor run) traces the op's body, kernels included.
+    make_fx(dispatch_functionalize(lambda x, y: torch.ops.tgemm.mm(x, y.t())),
+            tracing_mode="fake")(a, w)
+except RuntimeError as error:
+    print("traced:", str(error).splitlines()[0])
+"""
+
+
+def test_metadata_of_cpu_fake_tensors_without_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _METADATA_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines == [
+        "mm (6, 10) (10, 1) torch.float32 cpu",
+        "grouped_mm (3, 6, 5) torch.float16",
+        "scaled_mm (16, 16) torch.bfloat16",
+        "checked: tgemm::mm: a has 8 columns but b has 7 rows (a is (6, 8), b is (7, 10))",
+        "traced: tgemm::mm: CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+        "before importing torch_triton_gemm (slow; meant for small sizes), or move the tensors to "
+        "a CUDA GPU",
+    ], proc.stdout

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch._library.autograd import make_autograd_impl
 from torch._library.custom_ops import CustomOpDef
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .. import device as _device
 
@@ -73,6 +75,16 @@ def define_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
         _check_same_parameters(name, impl, eager_impl)
         _EAGER_LIBRARIES[name], _EAGER_FUNCTIONS[name] = _register_eager_kernels(op, eager_impl)
     return op
+
+
+def metadata_only(t: torch.Tensor) -> bool:
+    """True when a triton_op body runs only for its output's metadata: on FakeTensors with no
+    graph being traced (DTensor's sharding propagation, TorchDynamo's example values). Such
+    calls return the op's fake output without planning a launch, which nothing would run: the
+    FakeTensors need not even be on a device the kernels run on (torch 2.11's DTensor builds CPU
+    FakeTensors for the metadata of CUDA shards). Traced calls (make_fx, AOT, export) plan and
+    check as real calls do."""
+    return isinstance(t, FakeTensor) and get_proxy_mode() is None
 
 
 def eager_autograd_function(op: CustomOpDef) -> type[torch.autograd.Function]:

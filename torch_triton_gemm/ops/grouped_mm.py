@@ -42,7 +42,7 @@ import torch
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
-from ._registry import define_triton_op, eager_autograd_function
+from ._registry import define_triton_op, eager_autograd_function, metadata_only
 from .mm import (
     _base_aligned,
     _check,
@@ -232,6 +232,8 @@ def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None
 def _grouped_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                      zero_tail: bool = False) -> torch.Tensor:
+    if metadata_only(a):
+        return _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)
     return _allocate_and_launch(a, b, offs, bias, out_dtype, zero_tail, traceable=True)
 
 
