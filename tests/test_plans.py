@@ -179,20 +179,6 @@ def test_heuristic_splits_k_only_when_the_output_cannot_fill_the_gpu(monkeypatch
     assert tuning.heuristic_mm_plan(8192, 8192, 128, 2, True, 132).split_k == 1
 
 
-def test_thirty_two_row_splits_fill_both_programs_of_an_sm(monkeypatch):
-    """32-row tiles take 96 KB of shared memory: two programs share an H100 SM, and splits
-    fill both; outputs with half a wave of tiles already are not split."""
-    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
-    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
-    monkeypatch.setattr(tuning._device, "shared_memory_per_sm", lambda index: 233472)
-    o = tuning.heuristic_mm_plan(32, 4096, 4096, 2, True, 132)
-    assert (o.kernel, o.tile.block_m, o.tile.block_n, o.split_k) == ("portable", 32, 64, 4)
-    assert tuning.heuristic_mm_plan(32, 6144, 4096, 2, True, 132).split_k == 1
-    # One program per SM (less shared memory): the split fills one wave.
-    monkeypatch.setattr(tuning._device, "shared_memory_per_sm", lambda index: 100000)
-    assert tuning.heuristic_mm_plan(32, 4096, 4096, 2, True, 132).split_k == 2
-
-
 def test_tuned_plans_round_trip_through_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_TRITON_GEMM_CACHE_DIR", str(tmp_path))
     plan = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3), 2, True, 2)

@@ -75,16 +75,6 @@ _PORTABLE_SHARED_MEMORY = 101376
 
 
 @functools.cache
-def shared_memory_per_sm(index: int) -> int:
-    """Shared memory of one SM, in bytes: what the programs resident on it share."""
-    if not torch.cuda.is_available():
-        return _PORTABLE_SHARED_MEMORY
-    props = _properties(index)
-    return int(getattr(props, "shared_memory_per_multiprocessor", 0)
-               or shared_memory_per_block(index))
-
-
-@functools.cache
 def shared_memory_per_block(index: int) -> int:
     """Largest shared-memory allocation one program may use, in bytes (opt-in limit)."""
     if not torch.cuda.is_available():

@@ -166,11 +166,10 @@ def split_tiles(tiles: int, split_k: int, split_tail: bool, num_sms: int) -> tup
 
 
 def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
-               element_size: int = 2, programs_per_sm: int = 1) -> int:
+               element_size: int = 2) -> int:
     """K splits for an output with too few tiles to keep the SMs busy (under half of them).
 
-    Work units (tiles x splits) run in waves of num_sms x programs_per_sm (the programs that fit
-    an SM at once); the last wave's idle slots are wasted, so
+    Work units (tiles x splits) run in waves of num_sms; the last wave's idle SMs are wasted, so
     the split is the smallest that fills at least 90% of its waves (or the best filling one).
     Each split writes and re-reads an fp32 partial of C: unless the partials stay in L2, splits
     that would add more than a quarter of the operands' bytes are not taken.
@@ -187,7 +186,7 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
                 0.25 * operand_bytes):
             break
         units = tiles * split
-        fill = _wave_fill(units, num_sms * programs_per_sm)
+        fill = _wave_fill(units, num_sms)
         if fill >= 0.9:
             return split
         if fill > best_fill:
@@ -202,8 +201,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
     - M <= 32 (decode, small batches): memory-bound on B; 16- or 32-row tiles on the portable
-      kernel (it streamed B faster than TMA there), K split until about one SM wave is busy
-      (with 32-row tiles, both programs an SM holds);
+      kernel (it streamed B faster than TMA there), K split until about one SM wave is busy;
     - M <= 128: 128x128 tiles on the TMA kernel when they fill a wave, else 64- or 128-row
       tiles (B read once), 64 wide, deep K steps, K split likewise;
     - operands TMA cannot describe (odd leading dimensions): 128x128 tiles, 5 stages, and a
@@ -265,13 +263,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     if tma:
         smem -= tma_epilogue_bytes(tile, out_size, subtile)
     tile = _fit_shared_memory(_for_dtype(tile, element_size), element_size, smem)
-    programs_per_sm = 1
-    if m <= 32:
-        # Two 32-row programs fit an SM and both stream B: splits that fill both (o projection
-        # 32x4096x4096 on an H200: 4 splits 11.0 us, 2 splits 14.0, cuBLAS 10.4).
-        programs_per_sm = max(1, _device.shared_memory_per_sm(0)
-                              // shared_memory_bytes(tile, element_size))
-    split = _split_for(m, n, k, tile, num_sms, element_size, programs_per_sm)
+    split = _split_for(m, n, k, tile, num_sms, element_size)
     if tma:
         plan = MMPlan("tma", tile, split, epilogue_subtile=subtile)
         return _scaled_tma_plan(plan, m, n, k, num_sms, scaling, fast_accum)
