@@ -138,10 +138,11 @@ def _is_direct(plan: Any, kind: str, operands: tuple[torch.Tensor | None, ...]) 
 
 def _run_direct(kind: str, operands: tuple[torch.Tensor | None, ...],
                 signature: tuple[Any, ...]) -> torch.Tensor:
-    """The direct call, on its eager path (no autograd: below it already)."""
+    """The direct call, on its eager path (no autograd: below it already), with the eager
+    signature the route was looked up by."""
     if kind == "mm":
         return _mm_module._eager_allocate_and_launch(*operands, "none", None, signature)
-    return _grouped_module._grouped_mm_eager(*operands)
+    return _grouped_module.grouped_eager_call(*operands, None, None, None, False, signature)
 
 
 def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:

@@ -70,21 +70,32 @@ def define_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
         op = torch.library.custom_op(name, impl, mutates_args=())
         op.register_fake(fake)
     else:
-        op = torch.library.triton_op(name, impl, mutates_args=())
+        op = torch.library.triton_op(name, _fake_when_metadata_only(impl, fake), mutates_args=())
     if eager_impl is not None:
         _check_same_parameters(name, impl, eager_impl)
         _EAGER_LIBRARIES[name], _EAGER_FUNCTIONS[name] = _register_eager_kernels(op, eager_impl)
     return op
 
 
-def metadata_only(t: torch.Tensor) -> bool:
-    """True when a triton_op body runs only for its output's metadata: on FakeTensors with no
-    graph being traced (DTensor's sharding propagation, TorchDynamo's example values). Such
-    calls return the op's fake output without planning a launch, which nothing would run: the
-    FakeTensors need not even be on a device the kernels run on (torch 2.11's DTensor builds CPU
-    FakeTensors for the metadata of CUDA shards). Traced calls (make_fx, AOT, export) plan and
-    check as real calls do."""
-    return isinstance(t, FakeTensor) and get_proxy_mode() is None
+def _fake_when_metadata_only(impl: Callable[..., Any],
+                             fake: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` as the triton_op body, which also serves as its fake implementation: calls on
+    FakeTensors with no graph being traced (DTensor's sharding propagation, TorchDynamo's example
+    values) only want the output's metadata and get ``fake``'s, without planning a launch that
+    nothing would run; their FakeTensors need not even be on a device the kernels run on (torch
+    2.11's DTensor builds CPU FakeTensors for the metadata of CUDA shards). Traced calls (make_fx,
+    AOT, export) run ``impl``, which plans and checks as real calls do."""
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        if isinstance(args[0], FakeTensor) and get_proxy_mode() is None:
+            return fake(*args, **kwargs)
+        return impl(*args, **kwargs)
+
+    # The op's schema is read from the signature (annotations resolved: the op modules
+    # postpone their evaluation).
+    body.__signature__ = inspect.signature(impl, eval_str=True)  # type: ignore[attr-defined]
+    body.__name__ = impl.__name__
+    return body
 
 
 def eager_autograd_function(op: CustomOpDef) -> type[torch.autograd.Function]:

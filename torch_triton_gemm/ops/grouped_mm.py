@@ -42,7 +42,7 @@ import torch
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
-from ._registry import define_triton_op, eager_autograd_function, metadata_only
+from ._registry import define_triton_op, eager_autograd_function
 from .mm import (
     _base_aligned,
     _check,
@@ -232,8 +232,6 @@ def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None
 def _grouped_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                      zero_tail: bool = False) -> torch.Tensor:
-    if metadata_only(a):
-        return _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)
     return _allocate_and_launch(a, b, offs, bias, out_dtype, zero_tail, traceable=True)
 
 
@@ -449,13 +447,20 @@ def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
                       zero_tail: bool = False) -> torch.Tensor:
     """The op body for eager calls on real tensors: the kernel launched without wrap_triton,
     checks and launch arithmetic memoised per call signature."""
+    return grouped_eager_call(a, b, offs, bias, out_dtype, zero_tail,
+                              _eager_signature(a, b, offs, bias, out_dtype, zero_tail))
+
+
+def grouped_eager_call(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype | None, zero_tail: bool,
+                       signature: tuple[Any, ...]) -> torch.Tensor:
+    """``_grouped_mm_eager`` for a caller that has the call's ``_eager_signature`` already."""
 
     def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
         out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
         launch = prepare_grouped_launch(a, b, offs, bias, out, zero_tail)
         return out, None if launch is None else launch._replace(compiled={})
 
-    signature = _eager_signature(a, b, offs, bias, out_dtype, zero_tail)
     out, launch = memoised_eager_call(signature, first_call, a)
     if offs is not None:
         _check_offs_values(_form(a, b), a, b, offs)

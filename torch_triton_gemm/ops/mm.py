@@ -33,7 +33,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from ..kernels.tiles import ACTIVATIONS
-from ._registry import define_triton_op, eager_autograd_function, metadata_only
+from ._registry import define_triton_op, eager_autograd_function
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
                 torch.float8_e5m2)
@@ -328,8 +328,6 @@ def _mm_fake(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
              activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    if metadata_only(a):
-        return _mm_fake(a, b, bias, activation, out_dtype)
     return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=True)
 
 

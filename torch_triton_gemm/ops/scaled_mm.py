@@ -50,7 +50,7 @@ from torch.library import wrap_triton
 from .. import device as _device
 from .. import tuning
 from ..kernels.scaled import scaled_mm_kernel
-from ._registry import define_triton_op, metadata_only
+from ._registry import define_triton_op
 from .mm import (
     GemmScales,
     PreparedLaunch,
@@ -251,8 +251,6 @@ def _scaled_mm_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                     scale_b: torch.Tensor, bias: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None,
                     use_fast_accum: bool = False) -> torch.Tensor:
-    if metadata_only(a):
-        return _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
     return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                 traceable=True)
 
