@@ -171,8 +171,31 @@ def _matrix_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                  direct=("mm", (a, b, bias)) if uncast else None)
 
 
+_DTENSOR_FOLD_REFUSED = "this PyTorch's DTensor cannot fold the operand's sharding into one dim"
+
+
+def _dtensor_refuses_reshape(t: torch.Tensor, shape: tuple[int, ...],
+                             expand: tuple[int, ...] | None = None) -> bool:
+    """Whether ``t`` is a DTensor whose sharding this PyTorch cannot carry through
+    ``t.expand(expand).reshape(shape)`` (``t.reshape(shape)`` without ``expand``) without
+    redistribution.
+
+    torch 2.11 refuses to fold a sharded dim other than the first of those merged (a sequence-
+    sharded [B, T, K] into [B*T, K]); later versions keep it as a strided shard. aten's matmuls
+    fold the same way, so such calls stay with aten, which raises or copes as it does without
+    the override.
+    """
+    if type(t) not in _sharding.DTENSOR_TYPES:
+        return False
+    try:
+        (t if expand is None else t.expand(expand)).reshape(shape)
+    except RuntimeError:
+        return True
+    return False
+
+
 def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                 dtype: torch.dtype, b_is_weight: bool = False) -> _Plan:
+                 dtype: torch.dtype, b_is_weight: bool = False) -> _Plan | str:
     """[..., K] @ [K, N]: fold the leading dims into M, multiply once, unfold.
 
     With ``b_is_weight`` b is an nn.Linear weight [N, K], used as the view ``b.t()``.
@@ -180,6 +203,8 @@ def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
     lead = a.shape[:-1]
     m, k = math.prod(lead), a.shape[-1]
     n = b.shape[0] if b_is_weight else b.shape[1]
+    if _dtensor_refuses_reshape(a, (m, k)):
+        return _DTENSOR_FOLD_REFUSED
 
     def run() -> torch.Tensor:
         b_kn = _cast(b, dtype).t() if b_is_weight else _cast(b, dtype)
@@ -214,10 +239,16 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
            for size, stride in zip(batch, b_expanded.stride()[:-2], strict=True)):
         # One B matrix for the whole batch (a single matrix or an expand()ed one): the batch
         # folds into M.
+        if _dtensor_refuses_reshape(a, (count * m, k), (*batch, m, k)):
+            return _DTENSOR_FOLD_REFUSED
         b_matrix = b_expanded[(0,) * len(batch)]
         return _Plan("bmm", count * m * n * k, lambda: _tgemm(
             _cast(a, dtype).expand(*batch, m, k).reshape(count * m, k),
             _cast(b_matrix, dtype)).reshape(*batch, m, n))
+
+    if (_dtensor_refuses_reshape(a, (count, m, k), (*batch, m, k))
+            or _dtensor_refuses_reshape(b_expanded, (count, k, n))):
+        return _DTENSOR_FOLD_REFUSED
 
     def run() -> torch.Tensor:
         a3 = _cast(a, dtype).expand(*batch, m, k).reshape(count, m, k)
