@@ -513,7 +513,9 @@ def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[
     """Launch ``kernel``: through wrap_triton where tracing may see it, else directly; with
     ``compiled`` (a memoised eager launch's cache), through its compiled kernel
     (_launch_compiled)."""
-    if traceable:
+    # Interpreted kernels are plain Python that no tracer sees through (the op is then an opaque
+    # custom_op), and torch 2.11's wrap_triton refuses them: they always launch directly.
+    if traceable and not _INTERPRETED:
         # Arguments may be symbolic here: pass them by name, as wrap_triton expects.
         wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
         return

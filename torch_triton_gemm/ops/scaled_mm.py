@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.library import wrap_triton
 
 from .. import device as _device
 from .. import tuning
@@ -56,6 +55,7 @@ from .mm import (
     PreparedLaunch,
     _check,
     _check_value,
+    _launch,
     _needs_grad,
     _needs_int64_indexing,
     _plain_eager,
@@ -347,11 +347,7 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         tile = tuning.heuristic_scaled_mm_tile(M, N, scaling)
     grid = (tuning.output_tiles(M, N, tile),)
     kernel_meta = tuning.tile_meta(tile)
-    if traceable:
-        wrap_triton(scaled_mm_kernel)[grid](**dict(zip(scaled_mm_kernel.arg_names, args)),
-                                             **kernel_meta)
-    else:
-        scaled_mm_kernel[grid](*args, **kernel_meta)
+    _launch(scaled_mm_kernel, grid, args, kernel_meta, traceable)
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
