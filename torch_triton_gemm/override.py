@@ -181,9 +181,9 @@ def _dtensor_refuses_reshape(t: torch.Tensor, shape: tuple[int, ...],
     redistribution.
 
     torch 2.11 refuses to fold a sharded dim other than the first of those merged (a sequence-
-    sharded [B, T, K] into [B*T, K]); later versions keep it as a strided shard. aten's matmuls
-    fold the same way, so such calls stay with aten, which raises or copes as it does without
-    the override.
+    sharded [B, T, K] into [B*T, K]); later versions keep it as a strided shard. aten's linear
+    and matmul fold contiguous operands the same way, so such calls stay with aten, which raises
+    or gets by without folding exactly as it does without the override.
     """
     if type(t) not in _sharding.DTENSOR_TYPES:
         return False
