@@ -102,13 +102,13 @@ def _aten_and_routed(fn: Callable[..., Any], args: tuple[DTensor, ...],
     try:
         aten, aten_comms = _comms(fn, *args)
     except RuntimeError as aten_error:
+        error = None
         with tg.override() as ov:
             try:
                 fn(*args)
-            except RuntimeError as error:
-                return {"counts": dict(ov.counts), "aten_error": str(aten_error),
-                        "error": str(error)}
-        return {"counts": dict(ov.counts), "aten_error": str(aten_error), "error": None}
+            except RuntimeError as routed_error:
+                error = str(routed_error)
+        return {"counts": dict(ov.counts), "aten_error": str(aten_error), "error": error}
     with tg.override() as ov:
         routed, comms = _comms(fn, *args)
     return {
