@@ -36,6 +36,13 @@ PLANS = {
     "tma-wide-split3": tuning.MMPlan("tma", tuning.TileConfig(16, 128, 32, 1, 4, 2), split_k=3),
     "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
                                  epilogue_subtile=2),
+    # Stream-K over the interpreter's 4 programs: the partial wave's tiles (below one wave:
+    # every tile) shared by K steps; with stream_k=2 a whole wave more. 128 columns: partials
+    # in 64-column slices, the epilogue's TMA stores in halves.
+    "tma-stream-k": tuning.MMPlan("tma", SMALL_TILE, stream_k=1),
+    "tma-stream-k2": tuning.MMPlan("tma", SMALL_TILE, stream_k=2),
+    "tma-wide-stream-k": tuning.MMPlan("tma", tuning.TileConfig(16, 128, 32, 1, 4, 2),
+                                       epilogue_subtile=2, stream_k=1),
 }
 # (M, N, K): edges in every dimension, a K that leaves a ragged last split, M = 1, N = 1.
 SHAPES = [(37, 45, 104), (1, 40, 96), (20, 1, 64), (33, 64, 160)]
@@ -76,7 +83,8 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
 
 
 @pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
-                                  "tma-tail-split3", "tma-wide-split3"])
+                                  "tma-tail-split3", "tma-wide-split3", "tma-stream-k",
+                                  "tma-stream-k2", "tma-wide-stream-k"])
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
     # 3 x 3 tiles of 16 x 32: the tail-split plans split 1 of them (the interpreter counts 4
     # SMs); 3 x 1 tiles of 16 x 128, whose partials go out in two column slices.
@@ -477,3 +485,34 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert (blocked.tile.block_m, blocked.tile.block_n, blocked.tile.block_k) == (64, 128, 128)
     assert blocked.programs_per_sm == 2 and blocked.split_k == 1
     assert plan("block", m=16) == plan("none", m=16)  # decode plans keep their tile
+
+
+@pytest.mark.parametrize("tiles, programs, stream_k, expected", [
+    (6, 4, 1, 2), (6, 4, 2, 6), (3, 4, 1, 3), (3, 4, 2, 3), (8, 4, 1, 0), (144, 132, 1, 12),
+    (144, 132, 2, 144), (300, 132, 2, 168), (300, 132, 0, 0)])
+def test_stream_k_shares_the_partial_wave_and_whole_waves_before_it(tiles, programs, stream_k,
+                                                                     expected):
+    assert tuning.stream_k_tiles(tiles, programs, stream_k) == expected
+
+
+def test_stream_k_plans_launch_once_with_a_flag_per_program(device):
+    """A stream-K plan is one launch of every persistent program (no reduction kernel), with a
+    partial tile and a flag per program; where the waves come out even it runs as a plain
+    persistent launch."""
+    from torch_triton_gemm.ops.mm import prepare_launch
+
+    a = randn((37, 104), torch.float16, device)
+    b = randn((45, 104), torch.float16, device).t()  # rows of 90 bytes would need pointers
+    out = torch.empty((37, 45), dtype=torch.float16, device=device)
+    prepared = prepare_launch(a, b, None, out, "none", False, PLANS["tma-stream-k"], None)
+    assert len(prepared.launches) == 1 and prepared.reduce is None
+    assert prepared.locks_shape == (4,) and prepared.workspace_shape == (4, 16, 32)
+    assert prepared.launches[0][0] == (4,) and prepared.launches[0][1]["STREAM_K"]
+    # 64 x 64 outputs: 4 x 2 tiles of 16 x 32, two whole waves of the interpreter's 4 programs.
+    a, b = randn((64, 104), torch.float16, device), randn((104, 64), torch.float16, device)
+    assert prepare_launch(a, b, None, torch.empty((64, 64), dtype=torch.float16, device=device),
+                          "none", False, PLANS["tma-stream-k"], None).kernel.fn.__name__ == \
+        "mm_tma_kernel"
+    out = torch.empty((64, 64), dtype=torch.float16, device=device)
+    prepared = prepare_launch(a, b, None, out, "none", False, PLANS["tma-stream-k"], None)
+    assert prepared.locks_shape is None and not prepared.launches[0][1]["STREAM_K"]

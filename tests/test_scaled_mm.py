@@ -632,7 +632,7 @@ from torch_triton_gemm.kernels.scaled import scaled_mm_kernel
 
 POINTER = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "e2m1": "*u8", "fp32": "*fp32", "e8m0": "*u8"}
 POINTERS = {"a_ptr": "ab", "b_ptr": "ab", "c_ptr": "*bf16", "bias_ptr": "*fp32",
-            "ws_ptr": "*fp32", "sa_ptr": "s", "sb_ptr": "s"}
+            "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "s", "sb_ptr": "s"}
 ALIGNED = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "stride_am", "stride_bn",
            "stride_cm", "K"]
 
@@ -667,7 +667,8 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
 
 # fp8 recipes on the shared persistent TMA kernel (outer: rowwise / tensorwise scales).
 gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=False, A_M_CONTIGUOUS=False,
-            B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False)
+            B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False,
+            STREAM_K=False)
 compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
             SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, **gemm)
 compile_for(mm_tma_kernel, 90, "e5m2", "fp32", (128, 128, 128, 8, 3), SCALING="outer",

@@ -56,6 +56,10 @@ class MMPlan:
     # Persistent programs per SM of the TMA kernel: two, where their tiles fit the SM twice,
     # interleave one program's waits (scale loads, epilogue) with the other's tensor-core work.
     programs_per_sm: int = 1
+    # Stream-K (TMA kernel, no split_k): the tiles of the last, partial wave and stream_k - 1
+    # whole waves before it have their K steps shared evenly by all persistent programs (see
+    # kernels/matmul.py); the other tiles run whole. 0: off.
+    stream_k: int = 0
 
 
 # Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
@@ -140,6 +144,15 @@ def output_tiles(m: Any, n: Any, tile: TileConfig) -> Any:
     """How many of ``tile``'s [block_m, block_n] tiles cover an m x n output (sizes may be
     symbolic)."""
     return ((m + tile.block_m - 1) // tile.block_m) * ((n + tile.block_n - 1) // tile.block_n)
+
+
+def stream_k_tiles(tiles: int, programs: int, stream_k: int) -> int:
+    """How many of ``tiles`` output tiles a stream-K launch of ``programs`` persistent programs
+    shares out by K steps: the partial last wave and ``stream_k - 1`` whole waves before it
+    (all of them below one wave; none when the waves come out even)."""
+    if stream_k <= 0 or tiles % programs == 0:
+        return 0
+    return min(tiles, tiles % programs + (stream_k - 1) * programs)
 
 
 def _most_splits(k: int, block_k: int) -> int:
@@ -413,9 +426,11 @@ def tile_meta(tile: TileConfig) -> Mapping[str, Any]:
 
 @functools.cache
 def launch_meta(plan: MMPlan, split: bool,
-                scaling: tuple[str, int, int, bool] = ("none", 1, 1, False)) -> Mapping[str, Any]:
-    """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), and the
-    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM); built once, read-only."""
+                scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
+                stream_k: bool = False) -> Mapping[str, Any]:
+    """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
+    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM) and stream-K tiles or not; built
+    once, read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -424,6 +439,7 @@ def launch_meta(plan: MMPlan, split: bool,
     if plan.kernel == "tma":
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
+        meta["STREAM_K"] = stream_k
     return MappingProxyType(meta)
 
 

@@ -9,6 +9,13 @@ writing an fp32 partial tile into a workspace of [splits x split tiles, BLOCK_M,
 applies the epilogue once. A tail split runs the tiles before ``first_tile`` (whole waves of
 SMs) in a launch without SPLIT first, and splits only the last, partial wave's tiles, which then
 spread over every SM instead of leaving most of them idle.
+
+Stream-K (``mm_tma_kernel`` with STREAM_K) shares the K steps of the first ``sk_tiles`` tiles
+evenly among the persistent programs, each taking one contiguous range of (tile, K step) pairs,
+before the remaining tiles run whole: a partial last wave then costs a fraction of a tile per SM,
+not a whole tile on a few of them. A program that ends inside a tile hands its fp32 partial over
+through the workspace and a flag; the program that finishes the tile adds the partials in program
+order (no float atomics: the same bits every run) and applies the epilogue once.
 """
 
 import triton
@@ -71,13 +78,56 @@ def store_partial_slice(acc, ws_tile, first, offs_m, offs_n, M, N, BLOCK_M: tl.c
         tl.store(ptrs, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["M", "first_tile", "units"])
+@triton.jit
+def load_partial(ws_ptr, slot, offs_m, offs_n, M, N, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """The fp32 partial tile ``store_partial`` stored in workspace slot ``slot`` (zeros past M
+    and N, which were not stored)."""
+    ws_tile = ws_ptr + widen(slot, INDEX_64) * (BLOCK_M * BLOCK_N)
+    ptrs = ws_tile + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(ptrs, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N), other=0.0)
+
+
+@triton.jit
+def stream_k_owner(iteration, iterations, programs):
+    """The program whose stream-K range holds ``iteration`` of ``iterations`` (program p takes
+    [p * iterations // programs, (p + 1) * iterations // programs))."""
+    return ((iteration + 1) * programs - 1) // iterations
+
+
+@triton.jit
+def publish_partial(acc, ws_ptr, locks_ptr, program, offs_m, offs_n, M, N,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """Hand a stream-K partial tile to the program that finishes the tile: store it in this
+    program's workspace slot, then raise the program's flag (a release, after every thread's
+    stores)."""
+    store_partial(acc, ws_ptr, program, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    tl.debug_barrier()
+    tl.atomic_xchg(locks_ptr + program, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def collect_partials(acc, ws_ptr, locks_ptr, first, last, offs_m, offs_n, M, N,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """acc plus the partials of programs [first, last), added in program order once each
+    program's flag is up; the flags are lowered again for the next launch. The programs of a
+    stream-K launch are all resident (one per SM), and those before ``last`` started first, so
+    the wait ends."""
+    for program in range(first, last):
+        while tl.atomic_cas(locks_ptr + program, 1, 0, sem="acquire", scope="gpu") != 1:
+            pass
+        tl.debug_barrier()
+        acc += load_partial(ws_ptr, program, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "first_tile", "units", "sk_tiles"])
 def mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
-    k_per_split, first_tile, units,
+    k_per_split, first_tile, units, sk_tiles,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
@@ -90,7 +140,8 @@ def mm_kernel(
     # an fp32 accumulator; the epilogue adds bias, applies the activation and casts to C's
     # dtype (a split stores its fp32 partial instead). Rows and columns past M / N are read
     # wrapped (modulo) so the loads need no masks, and only the stores are masked. M is not
-    # specialised on: a serving loop's every batch size reuses one compiled kernel.
+    # specialised on: a serving loop's every batch size reuses one compiled kernel. (locks_ptr
+    # and sk_tiles serve the TMA kernel's stream-K, which this kernel does not run.)
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
                                      SPLIT)
@@ -117,19 +168,53 @@ def mm_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["M", "first_tile", "units"])
+@triton.jit
+def tma_k_steps(acc, a_desc, b_desc, off_m, off_n, k, steps, sa_ptr, sb_ptr, rows, cols, K,
+                stride_sam, stride_sak, stride_sbk, stride_sbn,
+                A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
+                SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr,
+                FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus ``steps`` K steps of one tile from K index k on, A and B tiles through TMA."""
+    for _ in range(steps):
+        a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
+        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
+        sa, sb = step_scales(sa_ptr, sb_ptr, rows, cols, k, K, stride_sam, stride_sak,
+                             stride_sbk, stride_sbn, SCALING, SA_ROWS, SB_COLS)
+        acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING, FAST_ACCUM)
+        k += BLOCK_K
+    return acc
+
+
+@triton.jit
+def store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
+            stride_cm, stride_cn, stride_bias, HAS_BIAS: tl.constexpr,
+            ACTIVATION: tl.constexpr, C_TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue of a finished tile: bias and activation in fp32, cast, store by TMA in
+    EPILOGUE_SUBTILE column slices (or with masked pointers when C cannot be described)."""
+    if C_TMA:
+        acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
+        store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n, BLOCK_M, BLOCK_N,
+                   EPILOGUE_SUBTILE)
+    else:
+        store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                       stride_bias, HAS_BIAS, ACTIVATION)
+
+
+@triton.jit(do_not_specialize=["M", "first_tile", "units", "sk_tiles"])
 def mm_tma_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, sa_ptr, sb_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
-    k_per_split, first_tile, units,
+    k_per_split, first_tile, units, sk_tiles,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
-    EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Persistent: one program per SM, each looping over the ``units`` work units (see
@@ -141,17 +226,55 @@ def mm_tma_kernel(
     # producer/consumer warp specialization. The epilogue adds bias and applies the activation
     # in fp32, casts, and stores by TMA in EPILOGUE_SUBTILE column slices (or with masked
     # pointers when C cannot be described; an fp32 partial for a split).
+    # STREAM_K: before its work units, each program takes its share of the K steps of tiles
+    # [0, sk_tiles) (see the module docstring); the work units are then the tiles after them.
     # The runtime arguments match mm_kernel's, so both launch from one argument tuple.
     start = tl.program_id(axis=0)
+    programs = tl.num_programs(axis=0)
     a_desc = operand_descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K,
                                 A_M_CONTIGUOUS)
     b_desc = operand_descriptor(b_ptr, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N,
                                 B_K_CONTIGUOUS)
+    c_desc = c_ptr
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
+    if STREAM_K:
+        k_tiles_all = tl.cdiv(K, BLOCK_K)
+        iterations = widen(sk_tiles, INDEX_64) * k_tiles_all
+        it = start * iterations // programs
+        it_end = (start + 1) * iterations // programs
+        while it < it_end:
+            tile = it // k_tiles_all
+            k_first = it - tile * k_tiles_all
+            k_last = tl.minimum(k_tiles_all, k_first + it_end - it)
+            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            offs_m = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+            offs_n = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
+            rows = offs_m % M
+            cols = offs_n % N
+            acc = tma_k_steps(
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, off_m, off_n,
+                k_first * BLOCK_K, k_last - k_first, sa_ptr, sb_ptr, rows, cols, K,
+                stride_sam, stride_sak, stride_sbk, stride_sbn, A_M_CONTIGUOUS, B_K_CONTIGUOUS,
+                INPUT_PRECISION, UPCAST_TO_FP32, SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, BLOCK_K)
+            if k_last < k_tiles_all:
+                publish_partial(acc, ws_ptr, locks_ptr, start, offs_m, offs_n, M, N,
+                                BLOCK_M, BLOCK_N, INDEX_64)
+            else:
+                first = stream_k_owner(tile * k_tiles_all, iterations, programs)
+                acc = collect_partials(acc, ws_ptr, locks_ptr, first, start, offs_m, offs_n,
+                                       M, N, BLOCK_M, BLOCK_N, INDEX_64)
+                acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn,
+                                   SCALING)
+                store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
+                        stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
+                        EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
+            it += k_last - k_first
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
-    for unit in tl.range(start, units, tl.num_programs(axis=0), flatten=True,
+    for unit in tl.range(start, units, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
         tile, k, _ = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N, SPLIT)
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -161,27 +284,18 @@ def mm_tma_kernel(
         offs_n = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
         rows = offs_m % M  # scale lookups of edge tiles stay inside the scale tensors
         cols = offs_n % N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(k_tiles):
-            a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
-            b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-            sa, sb = step_scales(sa_ptr, sb_ptr, rows, cols, k, K, stride_sam, stride_sak,
-                                 stride_sbk, stride_sbn, SCALING, SA_ROWS, SB_COLS)
-            acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
-                             FAST_ACCUM)
-            k += BLOCK_K
+        acc = tma_k_steps(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, off_m, off_n, k,
+            k_tiles, sa_ptr, sb_ptr, rows, cols, K, stride_sam, stride_sak, stride_sbk,
+            stride_sbn, A_M_CONTIGUOUS, B_K_CONTIGUOUS, INPUT_PRECISION, UPCAST_TO_FP32,
+            SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, BLOCK_K)
         acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
         if SPLIT:
             store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
-        elif C_TMA:
-            acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
-            store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n, BLOCK_M, BLOCK_N,
-                       EPILOGUE_SUBTILE)
         else:
-            store_epilogue(
-                acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
-                HAS_BIAS, ACTIVATION,
-            )
+            store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
+                    stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
+                    EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["first_tile"])

@@ -373,6 +373,7 @@ class PreparedLaunch(NamedTuple):
     workspace_shape: tuple[Any, ...] | None
     reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
     pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
+    locks_shape: tuple[int] | None = None  # stream-K's flags, zeroed per launch
     # Compiled kernels, one cache per launch and the reduction's last (see _launch_compiled),
     # for prepared launches that are kept and reused (memoised eager calls); else empty.
     compiled: tuple[dict[Any, Any], ...] = ()
@@ -418,7 +419,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                          scales)
         if plan.kernel == "tma" and tma_args is None:
             plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
-                                       warp_specialize=False)
+                                       warp_specialize=False, stream_k=0)
         if scales is not None:
             plan = tuning.scaled_plan(plan, scales.mode)
         split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
@@ -429,11 +430,16 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         split_k, k_per_split = 1, K
     tile = plan.tile
     tiles = tuning.output_tiles(M, N, tile)
+    programs = _num_sms(device) * plan.programs_per_sm  # of the persistent kernel
+    sk_tiles = 0
+    if plan.stream_k and plan.kernel == "tma" and split_k == 1:
+        sk_tiles = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
     whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, _num_sms(device))
     split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
     index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                       (M, N, stride_cm, stride_cn),
-                                      (split_units * tile.block_m, tile.block_n, tile.block_n, 1)))
+                                      (max(split_units, programs) * tile.block_m, tile.block_n,
+                                       tile.block_n, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
     if scales is None:
         scale_strides, scaling = _NO_SCALES
@@ -449,20 +455,23 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
     def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
-        # Runtime arguments after the tensors (a, b, out, bias, workspace, scale_a, scale_b),
-        # in the kernels' shared order; the plan's meta-parameters come after them.
+        # Runtime arguments after the tensors (a, b, out, bias, workspace, locks, scale_a,
+        # scale_b), in the kernels' shared order; the plan's meta-parameters come after them.
         runtime_args = (
             M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
-            first_tile, units, bias is not None, activation, _input_precision(a.dtype),
+            first_tile, units, sk_tiles, bias is not None, activation, _input_precision(a.dtype),
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
-        meta = tuning.launch_meta(plan, split, scaling)
-        persistent = _num_sms(device) * plan.programs_per_sm
-        grid = (min(persistent, units),) if kernel is mm_tma_kernel else (units,)
+        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0)
+        # Stream-K needs every program (each takes a share of the shared tiles' K steps).
+        grid = ((programs if sk_tiles else min(programs, units)),) if (
+            kernel is mm_tma_kernel) else (units,)
         return grid, {**meta, **flags} if flags else meta, runtime_args
 
     launches = []
-    if split_k == 1 or whole_tiles > 0:  # (split_k first: no guard on symbolic sizes)
+    if sk_tiles:
+        launches.append(gemm_launch(sk_tiles, tiles - sk_tiles, False, K))
+    elif split_k == 1 or whole_tiles > 0:  # (split_k first: no guard on symbolic sizes)
         launches.append(gemm_launch(0, whole_tiles, False, K))
     reduce = None
     if split_k > 1:
@@ -478,9 +487,14 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
              "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
              "num_warps": num_warps},
         )
-    workspace = (split_units, tile.block_m, tile.block_n) if split_k > 1 else None
+    workspace = locks = None
+    if split_k > 1:
+        workspace = (split_units, tile.block_m, tile.block_n)
+    elif sk_tiles:
+        # A partial tile per program at most, and the program's flag.
+        workspace, locks = (programs, tile.block_m, tile.block_n), (programs,)
     return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
-                          None if pads == (None, None) else pads)
+                          None if pads == (None, None) else pads, locks_shape=locks)
 
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
@@ -497,10 +511,14 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     workspace = None
     if prepared.workspace_shape is not None:
         workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
+    locks = None
+    if prepared.locks_shape is not None:
+        locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         _launch(prepared.kernel, grid,
-                (a, b, out, bias, workspace, scale_a, scale_b, *runtime_args), meta, traceable,
+                (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
+                traceable,
                 cache)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
