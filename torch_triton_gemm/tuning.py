@@ -60,6 +60,10 @@ class MMPlan:
     # whole waves before it have their K steps shared evenly by all persistent programs (see
     # kernels/matmul.py); the other tiles run whole. 0: off.
     stream_k: int = 0
+    # Operands TMA cannot describe are copied into aligned buffers for the TMA kernel: always
+    # (True), never (False: the portable kernel reads them), or by operand size (None; see
+    # ops/mm.py's PAD_MIN_SIZE).
+    pad: bool | None = None
 
 
 # Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
@@ -551,6 +555,67 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                 if plan not in seen:
                     seen.add(plan)
                     yield plan
+
+
+# The space the planner's rules choose from (and the plan sweep times): tiles for 2-byte inputs.
+PLAN_SPACE_TILES: tuple[TileConfig, ...] = (
+    TileConfig(128, 256, 64, 8, 8, 3),
+    TileConfig(256, 128, 64, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 4),
+    TileConfig(128, 128, 64, 8, 4, 4),
+    TileConfig(64, 256, 64, 8, 4, 4),
+    TileConfig(128, 64, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 4, 4),
+    TileConfig(64, 64, 64, 8, 4, 5),
+    TileConfig(64, 64, 128, 4, 4, 4),
+    TileConfig(32, 128, 128, 4, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 4),
+    TileConfig(16, 128, 128, 1, 4, 4),
+    TileConfig(16, 64, 128, 1, 4, 6),
+    TileConfig(16, 64, 256, 1, 4, 4),
+)
+
+
+def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: int,
+               aligned: bool = True) -> Iterator[MMPlan]:
+    """Every plan of the planner's space for one shape: each tile of PLAN_SPACE_TILES that
+    suits the size, on the portable kernel (only tiles of up to 64 rows where ``tma``) and
+    (``tma``: the operands can be described, or copied into aligned buffers when not
+    ``aligned``) the persistent TMA kernel, run whole, with
+    stream-K (the partial wave, or it and one whole wave), split to fill the SMs (and twice
+    that for skinny products), or with the partial wave split."""
+    smem = _device.shared_memory_per_block(0)
+    seen: set[MMPlan] = set()
+    for base in PLAN_SPACE_TILES:
+        tile = _for_dtype(base, element_size)
+        if not _fits_problem(tile, m, n) or shared_memory_bytes(tile, element_size) > smem:
+            continue
+        tiles = output_tiles(m, n, tile)
+        k_steps = -(-k // tile.block_k)
+        split = _split_for(m, n, k, tile, num_sms, element_size)
+        splits = {1, split, 2 * split} if m <= 32 and split > 1 else {1, split}
+        tail = _tail_split(m, n, k, tile, num_sms)
+        options = [dict(split_k=s) for s in sorted(splits)]
+        if tail > 1:
+            options.append(dict(split_k=tail, split_tail=True))
+        # Where TMA can read the operands, the portable kernel only competes on skinny tiles
+        # (it streamed B as fast as TMA there).
+        plans = [MMPlan("portable", tile, **o) for o in options] if (
+            not tma or tile.block_m <= 64) else []
+        fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
+            tile, 2, epilogue_subtile(tile)) <= smem
+        if tma and fits_tma:
+            pad = None if aligned else True
+            subtile = epilogue_subtile(tile)
+            plans += [MMPlan("tma", tile, epilogue_subtile=subtile, pad=pad, **o)
+                      for o in options]
+            if tiles % num_sms and k_steps >= 2:
+                plans += [MMPlan("tma", tile, epilogue_subtile=subtile, pad=pad, stream_k=s)
+                          for s in (1, 2) if s == 1 or tiles > num_sms]
+        for plan in plans:
+            if plan not in seen:
+                seen.add(plan)
+                yield plan
 
 
 def _tail_split(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:

@@ -241,13 +241,14 @@ def mm_tma_kernel(
                                            block_shape=[BLOCK_M, BLOCK_N // EPILOGUE_SUBTILE])
     if STREAM_K:
         k_tiles_all = tl.cdiv(K, BLOCK_K)
-        iterations = widen(sk_tiles, INDEX_64) * k_tiles_all
+        # (tile, K step) pairs in int64: times the program count they may pass 2**31.
+        iterations = widen(sk_tiles, True) * k_tiles_all
         it = start * iterations // programs
         it_end = (start + 1) * iterations // programs
         while it < it_end:
-            tile = it // k_tiles_all
-            k_first = it - tile * k_tiles_all
-            k_last = tl.minimum(k_tiles_all, k_first + it_end - it)
+            tile = (it // k_tiles_all).to(tl.int32)
+            k_first = (it - tile * k_tiles_all).to(tl.int32)
+            k_last = tl.minimum(k_tiles_all, k_first + it_end - it).to(tl.int32)
             pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -264,7 +265,7 @@ def mm_tma_kernel(
                 publish_partial(acc, ws_ptr, locks_ptr, start, offs_m, offs_n, M, N,
                                 BLOCK_M, BLOCK_N, INDEX_64)
             else:
-                first = stream_k_owner(tile * k_tiles_all, iterations, programs)
+                first = stream_k_owner(widen(tile, True) * k_tiles_all, iterations, programs)
                 acc = collect_partials(acc, ws_ptr, locks_ptr, first, start, offs_m, offs_n,
                                        M, N, BLOCK_M, BLOCK_N, INDEX_64)
                 acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn,

@@ -233,12 +233,15 @@ class Pad(NamedTuple):
         return buffer.copy_(t)
 
 
-def kernel_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+def kernel_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                    pad: bool | None = None
                     ) -> tuple[tuple[tuple[int, ...], dict[str, bool]] | None,
                                tuple[Pad | None, Pad | None], tuple[int, int, int, int]]:
     """How the kernels see a and b (sizes known): the TMA kernel's arguments (None: portable
     kernel only), the padded copies made first (see PAD_BYTES; any plan reads them), and the
-    strides (am, ak, bk, bn) the kernels read. Tuning keys its plans by the same view."""
+    strides (am, ak, bk, bn) the kernels read. Operands TMA cannot describe are copied when
+    ``pad`` says so (None: for large products, PAD_MIN_SIZE and PAD_MIN_SIDE). Tuning keys its
+    plans by the same view."""
     device = a.device
     strides = (*a.stride(), *b.stride())
     tma_args = _tma_arguments(a, b, out)
@@ -246,8 +249,9 @@ def kernel_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
     if not (_device.supports_tma(device) or _device.interpreter_enabled()):
         return None, (None, None), strides
     (M, K), N = a.shape, b.shape[1]
-    if (tma_args is None and _device.supports_tma(device) and M * N * K >= PAD_MIN_SIZE
-            and min(M, N) >= PAD_MIN_SIDE):
+    if pad is None:
+        pad = M * N * K >= PAD_MIN_SIZE and min(M, N) >= PAD_MIN_SIDE
+    if tma_args is None and _device.supports_tma(device) and pad:
         pads = _pads(a, b)
         padded = _tma_arguments(a, b, out, pads)
         if padded is not None:
@@ -374,6 +378,7 @@ class PreparedLaunch(NamedTuple):
     reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
     pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
     locks_shape: tuple[int] | None = None  # stream-K's flags, zeroed per launch
+    plan: tuning.MMPlan | None = None  # the plan as launched (for benchmarks and tests)
     # Compiled kernels, one cache per launch and the reduction's last (see _launch_compiled),
     # for prepared launches that are kept and reused (memoised eager calls); else empty.
     compiled: tuple[dict[Any, Any], ...] = ()
@@ -411,7 +416,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     tma_args = None
     pads = (None, None)
     if type(M) is int and type(N) is int and type(K) is int:
-        tma_args, pads, (stride_am, stride_ak, stride_bk, stride_bn) = kernel_operands(a, b, out)
+        tma_args, pads, (stride_am, stride_ak, stride_bk, stride_bn) = kernel_operands(
+            a, b, out, None if plan is None else plan.pad)
         if plan is None:
             plan = _plan(a, b, bias, activation, out.element_size(),
                          _layout_key(stride_ak, stride_bk),
@@ -494,7 +500,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         # A partial tile per program at most, and the program's flag.
         workspace, locks = (programs, tile.block_m, tile.block_n), (programs,)
     return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
-                          None if pads == (None, None) else pads, locks_shape=locks)
+                          None if pads == (None, None) else pads, locks_shape=locks, plan=plan)
 
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,

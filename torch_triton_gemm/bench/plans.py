@@ -1,0 +1,218 @@
+"""Every plan of tgemm::mm's plan space, timed kernel-only on a set of shapes next to cuBLAS:
+the data the planner's rules are read off and checked against. Needs a CUDA GPU.
+
+    python -m torch_triton_gemm.bench.plans --suites sweep,classes --seed 1 --count 300 \\
+        --csv plans.csv
+
+One CSV row per (shape, dtype, plan): the plan's fields, its kernel-only time (CUDA-graph
+replays over rotating operands, as the benchmark times), cuBLAS's in the same run, the
+relative error against cuBLAS's product, and whether the planner of this revision picks it.
+Kernels are compiled first by several processes in parallel (Triton's compile is CPU-bound and
+its on-disk cache is shared), then one process times them all, so compiles never overlap the
+timings. ``--time-budget`` stops the timing early and keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import torch
+
+from .. import device as _device
+from .. import tuning
+from . import suites
+from .gemm import DTYPES, make_operands
+from .suites import Case
+from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
+
+FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "dtype", "aligned",
+          "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
+          "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "heuristic",
+          "us", "cublas_us", "ratio", "rel_err", "error")
+
+
+def _cases(names: Sequence[str], seed: int, count: int) -> list[Case]:
+    cases: list[Case] = []
+    for name in names:
+        if name == "sweep":
+            cases += suites.sweep_cases(seed, count)
+        else:
+            cases += suites.suite_cases(name)
+    return cases
+
+
+def _operands(case: Case, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a, b = make_operands(case, DTYPES[dtype], torch.device("cuda"))
+    out = torch.empty((case.m, case.n), device="cuda", dtype=a.dtype)
+    return a, b, out
+
+
+def _aligned(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    from ..ops.mm import kernel_operands
+
+    return kernel_operands(a, b, out, pad=False)[0] is not None
+
+
+def chosen_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.MMPlan:
+    """The plan tgemm.mm launches for these operands (as this revision's planner picks it)."""
+    from ..ops.mm import prepare_launch
+
+    return prepare_launch(a, b, None, out, "none", False, None, None).plan
+
+
+def case_plans(case: Case, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
+    """Whether the case's operands can be described for TMA as they are, and its plans: the
+    plan space's and, last, the planner's choice when it is not among them."""
+    a, b, out = _operands(case, dtype)
+    aligned = _aligned(a, b, out)
+    plans = list(tuning.plan_space(case.m, case.n, case.k, a.element_size(),
+                                   _device.supports_tma(a.device), _device.num_sms(a.device),
+                                   aligned))
+    chosen = chosen_plan(a, b, out)
+    if chosen not in plans:
+        plans.append(chosen)
+    return aligned, plans
+
+
+def _launch(plan: tuning.MMPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    from ..ops.mm import launch_mm
+
+    launch_mm(a, b, None, out, "none", traceable=False, plan=plan)
+
+
+def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]]) -> int:
+    """Launch each plan once (a worker process's share), so that Triton compiles and caches
+    its kernels; returns how many failed."""
+    failed = 0
+    for case, dtype, plans in jobs:
+        a, b, out = _operands(case, dtype)
+        for plan in plans:
+            try:
+                _launch(plan, a, b, out)
+            except Exception:  # noqa: BLE001 - timed (and reported) again by the main process
+                failed += 1
+        torch.cuda.synchronize()
+        del a, b, out
+    return failed
+
+
+def compile_all(jobs: list[tuple[Case, str, list[tuning.MMPlan]]], workers: int) -> None:
+    """Compile every plan's kernels in ``workers`` processes (round-robin shares)."""
+    if workers <= 1:
+        _compile_jobs(jobs)
+        return
+    shares = [jobs[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile_jobs, shares))
+    print(f"compiled in {workers} processes ({failed} launches failed)", file=sys.stderr)
+
+
+def kernel_us(fn, args: Sequence[torch.Tensor], rep_ms: float) -> float:  # type: ignore[no-untyped-def]
+    """Median kernel-only time of ``fn(*args)`` in us: CUDA-graph replays of a batch of calls
+    cycling through copies of the operands."""
+    calls = calls_per_batch(fn, args, 16)
+    copies = operand_copies(args, calls)
+
+    def batch() -> None:
+        for i in range(calls):
+            fn(*copies[i % len(copies)])
+
+    graph = capture_graph(batch)
+    try:
+        return time_batches(graph.replay, calls, rep_ms / 4, rep_ms) * 1e3
+    finally:
+        del graph
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def time_case(case: Case, dtype: str, plans: list[tuning.MMPlan], aligned: bool,
+              rep_ms: float) -> Iterator[dict[str, object]]:
+    """The rows of one case: cuBLAS, then every plan (poisoned output, error, time)."""
+    a, b, out = _operands(case, dtype)
+    ref = torch.mm(a, b).float()
+    cublas = kernel_us(torch.mm, (a, b), rep_ms)
+    chosen = chosen_plan(a, b, out)
+    base = {**case.record(), "suite": case.suite, "name": case.name, "dtype": dtype,
+            "aligned": aligned, "cublas_us": round(cublas, 3)}
+    for plan in plans:
+        row = {**base, **_plan_fields(plan), "heuristic": plan == chosen}
+        try:
+            out.fill_(math.nan)
+            _launch(plan, a, b, out)
+            row["rel_err"] = f"{_relative_error(out, ref):.2e}"
+            us = kernel_us(lambda x, y, p=plan: _launch(p, x, y, torch.empty_like(out)),
+                           (a, b), rep_ms)
+            row["us"] = round(us, 3)
+            row["ratio"] = round(cublas / us, 4)
+        except Exception as exc:  # noqa: BLE001 - a plan that cannot run is a row saying so
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            torch.cuda.synchronize()
+        yield row
+
+
+def _plan_fields(plan: tuning.MMPlan) -> dict[str, object]:
+    fields = dataclasses.asdict(plan)
+    tile = fields.pop("tile")
+    fields.pop("warp_specialize")
+    fields.pop("programs_per_sm")
+    return {**fields, **tile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--suites", default="sweep,classes",
+                        help="comma-separated: sweep and mm suite names")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--dtypes", default="bf16")
+    parser.add_argument("--csv", required=True)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                        help="processes compiling kernels before the timing")
+    parser.add_argument("--rep-ms", type=float, default=6.0, help="ms of replays per plan")
+    parser.add_argument("--time-budget", type=float, default=math.inf, metavar="S",
+                        help="stop timing after S seconds (rows so far are kept)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the plan sweep needs a CUDA GPU")
+    start = time.perf_counter()
+    cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
+    jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
+            for case in cases]
+    total = sum(len(plans) for *_, plans in jobs)
+    print(f"{len(jobs)} cases, {total} plans", file=sys.stderr)
+    compile_all([(case, dtype, plans) for case, dtype, _, plans in jobs], args.workers)
+    print(f"compiled after {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    timed = 0
+    with open(args.csv, "w", newline="") as file:
+        writer = csv.DictWriter(file, FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for index, (case, dtype, aligned, plans) in enumerate(jobs, 1):
+            if time.perf_counter() - start > args.time_budget:
+                print(f"time budget spent after {index - 1} cases", file=sys.stderr)
+                break
+            for row in time_case(case, dtype, plans, aligned, args.rep_ms):
+                writer.writerow(row)
+            timed += len(plans)
+            file.flush()
+            torch.cuda.empty_cache()
+            print(f"[{index}/{len(jobs)}] {case.m}x{case.n}x{case.k} {dtype}: {len(plans)} "
+                  f"plans, {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"timed {timed} plans in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
