@@ -1,0 +1,174 @@
+"""Fit the plan model's constants (``plan_model.Costs``) to plan-sweep CSVs, and judge the
+planner on other CSVs. Runs on any host (needs numpy and scipy, not a GPU).
+
+    python -m torch_triton_gemm.bench.fit --fit docs/data/plans-h100-seed1.csv \\
+        --check docs/data/plans-h100-seed2.csv
+
+Fitting minimises the squared log error of the predicted kernel time over every timed plan
+of the fit files. The check compares, on each shape of the check files, the plan the model
+picks (among the timed plans of the plan space) with cuBLAS and with the fastest timed plan.
+It prints the fitted constants as Python, for ``plan_model.py``'s ``H100_COSTS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import plan_model, tuning
+
+GLOBALS = ("launch_tma", "launch_portable", "launch_reduce", "launch_copy", "exchange_us",
+           "bytes_per_us", "sm_bytes_per_us")
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One timed plan of a plan-sweep CSV."""
+
+    shape: tuple[object, ...]  # what identifies the product (sizes, layouts, dtype)
+    m: int
+    n: int
+    k: int
+    element_size: int
+    aligned: bool
+    plan: tuning.MMPlan
+    us: float
+    cublas_us: float
+    heuristic: bool
+
+
+def read(paths: Sequence[str]) -> list[Timed]:
+    """The timed (error-free) plans of plan-sweep CSVs."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as file:
+            for r in csv.DictReader(file):
+                if not r["us"]:
+                    continue
+                tile = tuning.TileConfig(*(int(r[f]) for f in (
+                    "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))
+                pad = {"True": True, "False": False}.get(r["pad"])
+                plan = tuning.MMPlan(r["kernel"], tile, int(r["split_k"]), False,
+                                     int(r["epilogue_subtile"]), r["split_tail"] == "True",
+                                     1, int(r["stream_k"]), pad)
+                shape = (path, r["suite"], r["name"], r["M"], r["N"], r["K"], r["a_layout"],
+                         r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
+                rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
+                                  1 if r["dtype"].startswith("fp8") else 2,
+                                  r["aligned"] == "True", plan, float(r["us"]),
+                                  float(r["cublas_us"]), r["heuristic"] == "True"))
+    return rows
+
+
+def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
+    return sorted({plan_model._tile_key(r.plan.kernel, r.plan.tile) for r in rows})
+
+
+def costs_from(vector: Sequence[float], keys: Sequence[tuple[str, int, int, int, int]],
+               num_sms: int) -> plan_model.Costs:
+    """Costs from a parameter vector (logs of the constants: globals, then two per tile)."""
+    values = [math.exp(v) for v in vector]
+    g = dict(zip(GLOBALS, values))
+    tiles = {key: plan_model.TileCost(values[len(GLOBALS) + 2 * i],
+                                      values[len(GLOBALS) + 2 * i + 1])
+             for i, key in enumerate(keys)}
+    return plan_model.Costs(
+        {"tma": g["launch_tma"], "portable": g["launch_portable"],
+         "reduce": g["launch_reduce"], "copy": g["launch_copy"]},
+        g["exchange_us"], tiles,
+        plan_model.Machine(num_sms, g["bytes_per_us"], g["sm_bytes_per_us"]))
+
+
+def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
+    """Least-squares fit of the log predicted time to the log measured time."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    keys = _tile_keys(rows)
+    start = [math.log(v) for v in (3.0, 3.0, 2.0, 2.0, 0.5, 2.5e6, 3.0e4)]
+    start += [math.log(0.5), math.log(1.0)] * len(keys)
+    measured = np.log([r.us for r in rows])
+
+    def residuals(vector: np.ndarray) -> np.ndarray:
+        costs = costs_from(vector, keys, num_sms)
+        return np.log([plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, r.element_size,
+                                             r.element_size, r.aligned) for r in rows]) - measured
+
+    result = least_squares(residuals, start, loss="soft_l1", f_scale=0.2, max_nfev=200)
+    return costs_from(result.x, keys, num_sms)
+
+
+def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
+    """Per shape: the model's pick among the timed plans against cuBLAS and the fastest."""
+    shapes: dict[tuple[object, ...], list[Timed]] = defaultdict(list)
+    for r in rows:
+        shapes[r.shape].append(r)
+    picked, oracle, heuristic, worst = [], [], [], []
+    for timed in shapes.values():
+        first = timed[0]
+        choice = min(timed, key=lambda r: plan_model.predict_us(
+            costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned))
+        best = min(timed, key=lambda r: r.us)
+        picked.append(first.cublas_us / choice.us)
+        oracle.append(first.cublas_us / best.us)
+        heuristic += [first.cublas_us / r.us for r in timed if r.heuristic]
+        worst.append((picked[-1], first.m, first.n, first.k, first.shape[6:8], choice.plan,
+                      best.plan, best.us / choice.us))
+    worst.sort(key=lambda w: w[0])
+    for row in worst[:15]:
+        print("  worst", row, file=sys.stderr)
+
+    def summary(ratios: list[float]) -> str:
+        if not ratios:
+            return "n/a"
+        ordered = sorted(ratios)
+        geomean = math.exp(statistics.fmean(math.log(r) for r in ordered))
+        return (f"geomean {geomean:.3f} p5 {ordered[len(ordered) // 20]:.3f} "
+                f"median {statistics.median(ordered):.3f} min {ordered[0]:.3f} "
+                f"<0.9 {sum(r < 0.9 for r in ordered) / len(ordered):.2f}")
+
+    print(f"shapes {len(shapes)}\n  model pick: {summary(picked)}\n"
+          f"  fastest:    {summary(oracle)}\n  previous heuristic: {summary(heuristic)}")
+    return {"geomean": math.exp(statistics.fmean(math.log(r) for r in picked))}
+
+
+def costs_source(costs: plan_model.Costs) -> str:
+    """``costs`` as the Python literal plan_model.py keeps."""
+    lines = ["H100_COSTS = Costs(",
+             f"    launch_us={ {k: round(v, 3) for k, v in costs.launch_us.items()} },",
+             f"    exchange_us={costs.exchange_us:.4g},", "    tiles={"]
+    for key, cost in sorted(costs.tiles.items()):
+        lines.append(f"        {key}: TileCost({cost.step_us:.4g}, {cost.tile_us:.4g}),")
+    m = costs.machine
+    lines += ["    },", f"    machine=Machine({m.num_sms}, {m.bytes_per_us:.4g}, "
+              f"{m.sm_bytes_per_us:.4g}),", ")"]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.fit",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--fit", nargs="*", default=[], help="plan-sweep CSVs to fit on")
+    parser.add_argument("--check", nargs="*", default=[], help="plan-sweep CSVs to judge on")
+    parser.add_argument("--num-sms", type=int, default=132)
+    args = parser.parse_args(argv)
+    costs = plan_model.H100_COSTS
+    if args.fit:
+        costs = fit(read(args.fit), args.num_sms)
+        print(costs_source(costs))
+        print("fit set:")
+        check(costs, read(args.fit))
+    for path in args.check:
+        print(f"check {path}:")
+        check(costs, read([path]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
