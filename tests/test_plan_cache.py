@@ -1,5 +1,6 @@
 """The tuned-plan cache never fails a call: bad files are set aside with one warning, a cache
-that cannot be read or written leaves tuned plans in memory, and concurrent writers lose no plan."""
+that cannot be read or written leaves tuned plans in memory, concurrent writers lose no plan,
+and a failed tuning on first use leaves the call its heuristic plan."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from samples import reference, rel_error, tolerance
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_triton_gemm as tg
-from torch_triton_gemm import plan_cache, tuning
+from torch_triton_gemm import plan_cache, tune, tuning
 from torch_triton_gemm.ops import mm as _mm
 
 # Plans are looked up for CUDA devices only; on a host without a GPU the file is named "cpu".
@@ -258,6 +259,26 @@ def test_the_planner_takes_tuned_plans_and_survives_a_corrupt_file(cache_dir, fr
     _mm._PLANS.clear()
     assert _plan_of(a, b) == _heuristic(a, b)
     assert len(_cache_warnings(recwarn, path)) == 1
+
+
+def test_tuning_on_first_use_that_fails_leaves_the_heuristic(cache_dir, fresh_tuned,
+                                                             monkeypatch, recwarn):
+    sweeps = []
+
+    def failing_tune_mm(*args: object, **kwargs: object) -> None:
+        sweeps.append(args)
+        raise RuntimeError("no plan ran")
+
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tune, "tune_mm", failing_tune_mm)
+    monkeypatch.setattr(tune, "_tuning_failed", False)
+    for m in (16, 512, 2048):
+        a, b = _fake_cuda_operands(m, 1024, 512)
+        assert _plan_of(a, b) == _heuristic(a, b)
+    assert len(sweeps) == 3
+    failures = [w for w in recwarn if "tuning on first use failed" in str(w.message)]
+    assert len(failures) == 1 and "no plan ran" in str(failures[0].message)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

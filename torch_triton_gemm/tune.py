@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,25 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     key = plan_cache.plan_key(M, N, K, a.dtype, _mm._layout_key(stride_ak, stride_bk), tma)
     plan_cache.TUNED.put(device, key, best)
     return best, timed + [t for t in timings if t.ms is None]
+
+
+def tune_on_first_use(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                      activation: str) -> tuning.MMPlan | None:
+    """The plan ``tune_mm`` stores for an eager call under ``TORCH_TRITON_GEMM_AUTOTUNE=1``, or
+    None where tuning fails: that call then runs the heuristic's plan (one warning per
+    process), since tuning may cost a call speed, never its result."""
+    global _tuning_failed
+    try:
+        return tune_mm(a, b, bias, activation)[0]
+    except Exception as error:  # noqa: BLE001 - any failure of the sweep leaves the heuristic
+        if not _tuning_failed:
+            _tuning_failed = True
+            warnings.warn(f"tgemm: tuning on first use failed ({type(error).__name__}: {error}); "
+                          "untuned shapes run the heuristic's plan", RuntimeWarning, stacklevel=2)
+        return None
+
+
+_tuning_failed = False  # warned once
 
 
 def make_operands(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "nt",

@@ -295,9 +295,11 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
         plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
-            from ..tune import tune_mm
+            from ..tune import tune_on_first_use
 
-            return tune_mm(a, b, bias, activation)[0]
+            tuned = tune_on_first_use(a, b, bias, activation)
+            if tuned is not None:
+                return tuned
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
