@@ -18,7 +18,7 @@ import torch
 from samples import FP8, make_operand, randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
-from torch_triton_gemm import tuning
+from torch_triton_gemm import plan_cache, tuning
 from torch_triton_gemm.ops.mm import launch_mm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,14 +190,14 @@ def test_heuristic_splits_k_only_when_the_output_cannot_fill_the_gpu(monkeypatch
 def test_tuned_plans_round_trip_through_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_TRITON_GEMM_CACHE_DIR", str(tmp_path))
     plan = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3), 2, True, 2)
-    key = tuning.plan_key(100, 4096, 4096, torch.bfloat16, 1, True)
+    key = plan_cache.plan_key(100, 4096, 4096, torch.bfloat16, 1, True)
     dev = torch.device("cpu")
-    tuning.TunedPlans().put(dev, key, plan)
-    path = tuning.cache_path(dev)
+    plan_cache.TunedPlans().put(dev, key, plan)
+    path = plan_cache.cache_path(dev)
     assert path.parent == tmp_path and json.loads(path.read_text())[key]["split_k"] == 2
-    assert tuning.TunedPlans().get(dev, key) == plan
+    assert plan_cache.TunedPlans().get(dev, key) == plan
     # Same bucket, another size: the same tuned plan.
-    assert key == tuning.plan_key(128, 4096, 4096, torch.bfloat16, 1, True)
+    assert key == plan_cache.plan_key(128, 4096, 4096, torch.bfloat16, 1, True)
 
 
 def test_candidates_start_with_the_heuristic_and_respect_shared_memory(monkeypatch):
@@ -328,10 +328,10 @@ def test_a_second_process_reuses_tuned_plans_without_tuning(tmp_path):
     env = dict(os.environ, TORCH_TRITON_GEMM_CACHE_DIR=str(tmp_path))
     script = textwrap.dedent("""
         import sys, torch, torch_triton_gemm as tg
-        from torch_triton_gemm import tuning, tune
+        from torch_triton_gemm import plan_cache, tune
         a = torch.randn(48, 512, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16).t()
-        key = tuning.plan_key(48, 256, 512, torch.bfloat16, 3, True)
+        key = plan_cache.plan_key(48, 256, 512, torch.bfloat16, 3, True)
         if sys.argv[1] == "tune":
             best, timings = tune.tune_mm(a, b, rep_ms=5)
             assert len(timings) > 3
@@ -339,7 +339,7 @@ def test_a_second_process_reuses_tuned_plans_without_tuning(tmp_path):
         else:
             calls = []
             tune.tune_mm = lambda *a, **k: calls.append(1)
-            plan = tuning.TUNED.get(torch.device("cuda"), key)
+            plan = plan_cache.TUNED.get(torch.device("cuda"), key)
             assert plan is not None
             out = tg.mm(a, b)
             assert calls == [] and torch.isfinite(out).all()

@@ -4,7 +4,7 @@ torch_triton_gemm.tune``.
 No call needs this: untuned shapes run the heuristic's plan. Tuning times every candidate plan
 of a shape (tiles, K splits, the persistent TMA kernel and the portable one) as CUDA-graph
 replays, keeps the fastest in the tuned table (one JSON file per GPU model, Triton version and
-kernel source; see ``tuning.cache_path``), and later calls in the same size bucket, in this
+kernel source; see ``plan_cache.cache_path``), and later calls in the same size bucket, in this
 process or any later one, launch that plan.
 
     python -m torch_triton_gemm.tune --shapes 4096x14336x4096,16x6144x4096 --dtypes bf16
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import device as _device
-from . import tuning
+from . import plan_cache, tuning
 from .ops import mm as _mm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -71,9 +72,28 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
     _mm._check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
     best = timed[0].plan
-    key = tuning.plan_key(M, N, K, a.dtype, _mm._layout_key(stride_ak, stride_bk), tma)
-    tuning.TUNED.put(device, key, best)
+    key = plan_cache.plan_key(M, N, K, a.dtype, _mm._layout_key(stride_ak, stride_bk), tma)
+    plan_cache.TUNED.put(device, key, best)
     return best, timed + [t for t in timings if t.ms is None]
+
+
+def tune_on_first_use(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                      activation: str) -> tuning.MMPlan | None:
+    """The plan ``tune_mm`` stores for an eager call under ``TORCH_TRITON_GEMM_AUTOTUNE=1``, or
+    None where tuning fails: that call then runs the heuristic's plan (one warning per
+    process), since tuning may cost a call speed, never its result."""
+    global _tuning_failed
+    try:
+        return tune_mm(a, b, bias, activation)[0]
+    except Exception as error:  # noqa: BLE001 - any failure of the sweep leaves the heuristic
+        if not _tuning_failed:
+            _tuning_failed = True
+            warnings.warn(f"tgemm: tuning on first use failed ({type(error).__name__}: {error}); "
+                          "untuned shapes run the heuristic's plan", RuntimeWarning, stacklevel=2)
+        return None
+
+
+_tuning_failed = False  # warned once
 
 
 def make_operands(m: int, n: int, k: int, dtype: torch.dtype, layout: str = "nt",
@@ -173,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio = f" {peer / t.ms:.2f}x" if peer else ""
                 print(f"   {_describe(t.plan)}  {t.ms * 1e3:8.1f} us{ratio}")
     print(file=sys.stderr)
-    print(f"tuned plans: {tuning.cache_path(torch.device('cuda'))}")
+    print(f"tuned plans: {plan_cache.cache_path(torch.device('cuda'))}")
     return 0
 
 

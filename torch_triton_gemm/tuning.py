@@ -1,4 +1,4 @@
-"""How a GEMM is launched: plans (kernel, tile, K split), the heuristic, and tuned plans on disk.
+"""How a GEMM is launched: plans (kernel, tile, K split), the heuristic, and tuning's candidates.
 
 Configs are data. A *tile* is (BLOCK_M, BLOCK_N, BLOCK_K), the L2 band height GROUP_M and the
 launch shape (num_warps, num_stages); a *plan* adds the kernel ("tma": the persistent Hopper
@@ -6,8 +6,9 @@ kernel, "portable": the one that runs everywhere), the number of K splits and th
 options. Every call gets a plan without a tuning sweep: from the tuned table when the shape's
 bucket was tuned (``torch_triton_gemm.tune`` / ``python -m torch_triton_gemm.tune``, or
 ``TORCH_TRITON_GEMM_AUTOTUNE=1`` to tune each new bucket on first use), else from the heuristic.
-Tuned plans persist in one JSON file per GPU model, Triton version and kernel source, so a
-second process re-tunes nothing and a changed kernel never reuses stale winners.
+Tuned plans persist in one JSON file per GPU model, Triton version and kernel source (see
+``plan_cache``), so a second process re-tunes nothing and a changed kernel never reuses stale
+winners.
 """
 
 from __future__ import annotations
@@ -16,19 +17,12 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import hashlib
 import itertools
-import json
 import os
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-
-import torch
-import triton
 
 from . import device as _device
 
@@ -109,7 +103,6 @@ L2_RESIDENT_BYTES = 16 << 20
 DEEP_K_RATIO = 4
 
 _AUTOTUNE_ENV = "TORCH_TRITON_GEMM_AUTOTUNE"
-_CACHE_DIR_ENV = "TORCH_TRITON_GEMM_CACHE_DIR"
 
 
 @functools.cache
@@ -445,79 +438,6 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
     return MappingProxyType(meta)
-
-
-# --- tuned plans on disk --------------------------------------------------------------------------
-
-def plan_key(m: int, n: int, k: int, dtype: torch.dtype, layout: int, tma: bool) -> str:
-    """Key of the tuned table: size buckets, dtype, operand layout and TMA eligibility."""
-    return (f"{str(dtype).removeprefix('torch.')}/L{layout}/{'tma' if tma else 'ptr'}/"
-            f"{size_bucket(m)}x{size_bucket(n)}x{size_bucket(k)}")
-
-
-@functools.cache
-def _kernel_source_hash() -> str:
-    kernels = Path(__file__).parent / "kernels"
-    digest = hashlib.sha256()
-    for path in sorted(kernels.glob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def cache_path(device: torch.device) -> Path:
-    """The tuned-plan file for ``device``'s GPU model, this Triton and these kernels."""
-    root = os.environ.get(_CACHE_DIR_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torch_triton_gemm")
-    gpu = _device.name(device).replace(" ", "_").replace("/", "_")
-    return Path(root) / f"mm-{gpu}-triton{triton.__version__}-{_kernel_source_hash()}.json"
-
-
-class TunedPlans:
-    """The tuned tables: each read from disk on first use, written after each tuning.
-
-    ``version`` changes with every stored plan, so callers may memoise lookups per version.
-    """
-
-    def __init__(self) -> None:
-        self._tables: dict[Path, dict[str, MMPlan]] = {}
-        self._lock = threading.Lock()
-        self.version = 0
-
-    def _table(self, device: torch.device) -> tuple[Path, dict[str, MMPlan]]:
-        path = cache_path(device)
-        table = self._tables.get(path)
-        if table is None:
-            table = {}
-            if path.exists():
-                for key, entry in json.loads(path.read_text()).items():
-                    table[key] = _plan_from_json(entry)
-            self._tables[path] = table
-        return path, table
-
-    def get(self, device: torch.device, key: str) -> MMPlan | None:
-        return self._table(device)[1].get(key)
-
-    def put(self, device: torch.device, key: str, plan: MMPlan) -> None:
-        with self._lock:
-            path, table = self._table(device)
-            table[key] = plan
-            self.version += 1
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({k: _plan_to_json(p) for k, p in sorted(table.items())},
-                                      indent=1))
-            os.replace(tmp, path)  # atomic: concurrent processes never read a torn file
-
-
-def _plan_to_json(plan: MMPlan) -> dict[str, Any]:
-    return dataclasses.asdict(plan)
-
-
-def _plan_from_json(entry: Mapping[str, Any]) -> MMPlan:
-    return MMPlan(**{**entry, "tile": TileConfig(**entry["tile"])})
-
-
-TUNED = TunedPlans()
 
 
 # --- candidates for tuning ------------------------------------------------------------------------

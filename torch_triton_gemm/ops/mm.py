@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.library import wrap_triton
 
 from .. import device as _device
-from .. import tuning
+from .. import plan_cache, tuning
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from ..kernels.tiles import ACTIVATIONS
 from ._registry import define_triton_op, eager_autograd_function
@@ -290,18 +290,20 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
     (M, K), N, device = a.shape, b.shape[1], a.device
     scaling, fast_accum = ("none", False) if scales is None else (scales.mode, scales.fast_accum)
     # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
-    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, tuning.TUNED.version, scaling,
+    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, plan_cache.TUNED.version, scaling,
                 fast_accum)
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
     if device.type == "cuda" and scales is None:
-        plan = tuning.TUNED.get(device, tuning.plan_key(M, N, K, a.dtype, layout, tma))
+        plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
-            from ..tune import tune_mm
+            from ..tune import tune_on_first_use
 
-            return tune_mm(a, b, bias, activation)[0]
+            tuned = tune_on_first_use(a, b, bias, activation)
+            if tuned is not None:
+                return tuned
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
@@ -615,7 +617,7 @@ def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                      activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
     return (tensor_key(a), tensor_key(b), tensor_key(bias), activation, out_dtype,
-            _float32_precision(), tuning.TUNED.version)
+            _float32_precision(), plan_cache.TUNED.version)
 
 
 # torch.get_float32_matmul_precision without its Python wrapper (read on every eager call).

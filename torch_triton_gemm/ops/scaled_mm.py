@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .. import device as _device
-from .. import tuning
+from .. import plan_cache, tuning
 from ..kernels.scaled import scaled_mm_kernel
 from ._registry import define_triton_op
 from .mm import (
@@ -361,7 +361,7 @@ def _eager_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      out_dtype: torch.dtype | None, use_fast_accum: bool) -> tuple[Any, ...]:
     return ("tgemm::scaled_mm", tensor_key(a), tensor_key(b), tensor_key(scale_a),
             tensor_key(scale_b), tensor_key(bias), out_dtype, bool(use_fast_accum),
-            tuning.TUNED.version)
+            plan_cache.TUNED.version)
 
 
 def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,

@@ -1,0 +1,233 @@
+"""Tuned plans on disk: one JSON file per GPU model, Triton version and kernel source.
+
+The file maps ``plan_key`` strings to plans (``MMPlan`` fields, the tile as a nested object).
+A cache only ever costs speed, never a call:
+
+- a file that is not such a table (damaged, empty, written by something else, or holding values
+  no kernel launches with) is set aside as ``<file>.bad`` with one warning and read as empty;
+  the next tuned plan writes a good file in its place;
+- a file or directory that cannot be read or written gets one warning; this process then keeps
+  its tuned plans in memory;
+- writers take a lock on ``<file>.lock`` (``fcntl.flock``; best effort without it), re-read the
+  file, merge their new plans into it and replace it atomically, so concurrent tuning processes
+  and threads lose no plan, and each writer picks up the plans the others stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import threading
+import typing
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from . import device as _device
+from .tuning import MAX_SPLIT_K, MMPlan, size_bucket
+
+try:
+    import fcntl
+except ImportError:  # Windows: writers merge without a lock
+    fcntl = None
+
+_CACHE_DIR_ENV = "TORCH_TRITON_GEMM_CACHE_DIR"
+
+
+def plan_key(m: int, n: int, k: int, dtype: torch.dtype, layout: int, tma: bool) -> str:
+    """Key of the tuned table: size buckets, dtype, operand layout and TMA eligibility."""
+    return (f"{str(dtype).removeprefix('torch.')}/L{layout}/{'tma' if tma else 'ptr'}/"
+            f"{size_bucket(m)}x{size_bucket(n)}x{size_bucket(k)}")
+
+
+@functools.cache
+def _kernel_source_hash() -> str:
+    kernels = Path(__file__).parent / "kernels"
+    digest = hashlib.sha256()
+    for path in sorted(kernels.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_path(device: torch.device) -> Path:
+    """The tuned-plan file for ``device``'s GPU model, this Triton and these kernels:
+    in ``$TORCH_TRITON_GEMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/torch_triton_gemm``, else
+    ``~/.cache/torch_triton_gemm`` (read at each call)."""
+    root = os.environ.get(_CACHE_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torch_triton_gemm")
+    gpu = _device.name(device).replace(" ", "_").replace("/", "_")
+    return Path(root) / f"mm-{gpu}-triton{triton.__version__}-{_kernel_source_hash()}.json"
+
+
+class TunedPlans:
+    """The tuned tables: each read from disk on first use, merged with the file on disk at each
+    write. Reads and writes never raise; see the module's docstring.
+
+    ``version`` changes whenever a table changes, so callers may memoise lookups per version.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[Path, dict[str, MMPlan]] = {}
+        # Plans tuned here that are not on disk yet: merged into the file at the next write.
+        self._unsaved: dict[Path, dict[str, MMPlan]] = {}
+        self._warned: set[tuple[Path, str]] = set()
+        self._lock = threading.RLock()
+        self.version = 0
+
+    def get(self, device: torch.device, key: str) -> MMPlan | None:
+        """The tuned plan for ``key`` on ``device``'s GPU model, or None."""
+        return self._table(cache_path(device)).get(key)
+
+    def put(self, device: torch.device, key: str, plan: MMPlan) -> None:
+        """Keep ``plan`` for ``key``, in memory at once and on disk where the cache is writable."""
+        path = cache_path(device)
+        with self._lock:
+            table = {**self._table(path), key: plan}
+            unsaved = self._unsaved.setdefault(path, {})
+            unsaved[key] = plan
+            try:
+                table = {**table, **self._write(path, unsaved)}
+                unsaved.clear()
+            except OSError as error:
+                self._warn(path, "io", f"cannot write it ({error}); tuned plans stay in this "
+                                       "process's memory")
+            self._tables[path] = table
+            self.version += 1
+
+    def _table(self, path: Path) -> dict[str, MMPlan]:
+        table = self._tables.get(path)
+        if table is None:
+            with self._lock:
+                table = self._tables.get(path)
+                if table is None:
+                    try:
+                        with _file_lock(path, writing=False):
+                            table = self._read(path)
+                    except OSError as error:
+                        self._warn(path, "io", f"cannot read it ({error}); tuned plans stay in "
+                                               "this process's memory")
+                        table = {}
+                    self._tables[path] = table
+        return table
+
+    def _write(self, path: Path, unsaved: dict[str, MMPlan]) -> dict[str, MMPlan]:
+        """Merge ``unsaved`` into the file under its lock; returns the table written."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path, writing=True):
+            merged = {**self._read(path), **unsaved}
+            tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+            try:
+                tmp.write_text(json.dumps(
+                    {k: dataclasses.asdict(p) for k, p in sorted(merged.items())}, indent=1))
+                os.replace(tmp, path)  # atomic: readers never see a torn file
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+        return merged
+
+    def _read(self, path: Path) -> dict[str, MMPlan]:
+        """The table in ``path`` (empty without a file); a bad file is set aside. Raises
+        OSError where the file exists but cannot be read."""
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            return _table_from_json(json.loads(data))
+        except (ValueError, RecursionError) as error:  # JSON, UTF-8 or contents
+            bad = path.with_name(path.name + ".bad")
+            try:
+                os.replace(path, bad)
+                where = f"moved it to {bad}"
+            except OSError:
+                try:
+                    path.unlink()
+                    where = "removed it"
+                except OSError:
+                    where = "could neither move nor remove it"
+            self._warn(path, "bad", f"it is not a table of tuned plans ({error}); {where}; "
+                                    "tuned plans start again from an empty table")
+            return {}
+
+    def _warn(self, path: Path, kind: str, what: str) -> None:
+        if (path, kind) not in self._warned:
+            self._warned.add((path, kind))
+            warnings.warn(f"tgemm: tuned-plan cache {path}: {what}", RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, writing: bool) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s sibling ``.lock`` file where ``fcntl`` exists. A
+    reader that cannot create the lock file (no directory, a read-only cache) reads without it;
+    a writer raises OSError."""
+    fd = None
+    if fcntl is not None:
+        try:
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            if writing:
+                raise
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _table_from_json(data: Any) -> dict[str, MMPlan]:
+    if not isinstance(data, dict):
+        raise ValueError(f"the file holds a {type(data).__name__}, not an object")
+    return {key: _plan_from_json(key, entry) for key, entry in data.items()}
+
+
+def _plan_from_json(key: str, entry: Any) -> MMPlan:
+    plan = _dataclass_from_json(MMPlan, entry, key)
+    if not _launchable(plan):
+        raise ValueError(f"{key}: no kernel launches {plan}")
+    return plan
+
+
+def _dataclass_from_json(cls: type, entry: Any, where: str) -> Any:
+    """``cls`` built from a JSON object with exactly its fields, each of its exact type."""
+    hints = typing.get_type_hints(cls)
+    if not isinstance(entry, dict) or entry.keys() != hints.keys():
+        raise ValueError(f"{where}: {entry!r} does not have exactly the fields {sorted(hints)}")
+    values = {}
+    for name, value in entry.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            value = _dataclass_from_json(kind, value, f"{where}.{name}")
+        elif type(value) is not kind:  # exact: True is no int, 2.0 no int
+            raise ValueError(f"{where}.{name}: {value!r} is not a {kind.__name__}")
+        values[name] = value
+    return cls(**values)
+
+
+def _power_of_two(x: int, low: int, high: int) -> bool:
+    return low <= x <= high and x & (x - 1) == 0
+
+
+def _launchable(plan: MMPlan) -> bool:
+    """Whether ``plan`` holds values the kernels launch with: a known kernel, power-of-two
+    blocks of 16 to 1024 (tl.dot's least size; no larger tile fits an SM), a launch shape a
+    GPU takes, K splits up to tuning's limit (each costs fp32 workspace)."""
+    tile = plan.tile
+    return (plan.kernel in ("tma", "portable")
+            and all(_power_of_two(b, 16, 1024) for b in (tile.block_m, tile.block_n, tile.block_k))
+            and tile.group_m >= 1 and _power_of_two(tile.num_warps, 1, 32)
+            and 1 <= tile.num_stages <= 16 and 1 <= plan.split_k <= MAX_SPLIT_K
+            and _power_of_two(plan.epilogue_subtile, 1, tile.block_n)
+            and plan.programs_per_sm >= 1)
+
+
+TUNED = TunedPlans()
