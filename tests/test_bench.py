@@ -9,15 +9,18 @@ from __future__ import annotations
 import csv
 import math
 import os
+import random
+import statistics
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torch_triton_gemm.bench import cli, e2e, grouped, report, scaled, suites, timing
+from torch_triton_gemm.bench import cli, e2e, gemm, grouped, report, scaled, suites, timing
 from torch_triton_gemm.bench.results import (
     ColdStartResult,
     E2EResult,
@@ -56,7 +59,20 @@ def test_suite_names_groups_and_run_order():
         *suites.MM_SUITES, "grouped"]
 
 
+def test_planner_suites_and_their_options():
+    args = cli.parse_args([])
+    assert "sweep" not in args.suite and "classes" not in args.suite  # long: only when named
+    assert (args.seed, args.count, args.inductor) == (0, 400, False)
+    assert cli.parse_args(["--suite", "all"]).suite[-2:] == ["classes", "sweep"]
+    args = cli.parse_args(["--suite", "sweep", "--seed", "7", "--count", "12", "--inductor"])
+    assert (args.suite, args.seed, args.count, args.inductor) == (["sweep"], 7, 12, True)
+    assert args.dtypes == ["bf16", "fp16"]
+    assert cli.parse_args(["--quick"]).count == 40
+    assert cli.parse_args(["--quick", "--count", "5"]).count == 5
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--count", "0"], "expected a positive integer"),
     (["--suite", "nope"], "unknown suite 'nope'"),
     (["--suite", ","], "no suite given"),
     (["--dtypes", "fp64"], "unknown dtype 'fp64'"),
@@ -73,7 +89,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
                      "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
-                     "scaled": 42}
+                     "scaled": 42, "classes": 21, "sweep": 400}
 
 
 def test_suite_row_counts_match_the_shape_list():
@@ -102,6 +118,126 @@ def test_mm_suite_shapes():
     assert all((c.a_layout, c.b_layout) == ("row", "col") for c in others)
     assert suites.build_cases(["odd", "e2e", "square"]) == [
         *suites.suite_cases("square"), *suites.suite_cases("odd")]
+
+
+def test_classes_suite_shapes():
+    expected = {
+        "near1000": {(1000, 1000, 1000), (1000, 1024, 1000), (1016, 1000, 1008),
+                     (1000, 4096, 1000)},
+        "overwave": {(1536, 1536, 1536), (1536, 1664, 1536), (1408, 1664, 2048)},
+        "near3000": {(3000, 3000, 3000), (2992, 3008, 3000), (3072, 3000, 3000)},
+        "decode32": {(32, 4096, 4096), (32, 12288, 4096), (32, 4096, 11008)},
+        "decode1": {(1, 4096, 4096), (1, 12288, 4096), (1, 4096, 11008)},
+        "wideN": {(256, 22016, 4096), (256, 28672, 4096)},
+        "deepK": {(256, 256, 16384), (128, 128, 8192), (512, 512, 32768)},
+    }
+    cases = suites.suite_cases("classes")
+    found: dict[str, set] = {}
+    for c in cases:
+        found.setdefault(c.shape_class, set()).add((c.m, c.n, c.k))
+    assert found == expected
+    assert all((c.a_layout, c.b_layout, c.a_pad, c.b_pad) == ("row", "col", 0, 0) for c in cases)
+    # 128x128 tiles just over one wave of 132 SMs.
+    assert all(132 < -(-c.m // 128) * -(-c.n // 128) <= 2 * 132
+               for c in cases if c.shape_class == "overwave")
+    quick = suites.suite_cases("classes", quick=True)
+    assert [c.shape_class for c in quick] == list(expected)
+    assert quick[0].label() == "classes near1000 1000^3"
+
+
+def _row_stride(case: Case, operand: str) -> int:
+    """Elements between rows of the buffer ``operand`` is sliced from (independently of
+    Case.stored)."""
+    if operand == "a":
+        width = case.k if case.a_layout == "row" else case.m
+        return width + case.a_pad
+    width = case.k if case.b_layout == "col" else case.n
+    return width + case.b_pad
+
+
+def test_sweep_is_a_pure_function_of_seed_and_count():
+    cases = suites.sweep_cases(0, 400)
+    assert cases == suites.sweep_cases(0, 400)
+    assert cases[:20] == suites.sweep_cases(0, 20)  # a longer sweep starts with a shorter one
+    other = suites.sweep_cases(1, 400)
+    assert len({(c.m, c.n, c.k) for c in cases} & {(c.m, c.n, c.k) for c in other}) < 40
+    assert suites.suite_cases("sweep", seed=3, count=7) == suites.sweep_cases(3, 7)
+    assert suites.suite_cases("sweep") == cases
+    assert len(suites.suite_cases("sweep", quick=True)) == suites.QUICK_SWEEP_COUNT
+    # The same in a fresh process with another hash seed.
+    script = ("from torch_triton_gemm.bench import suites\n"
+              "print('|'.join(repr(c) for c in suites.sweep_cases(5, 50)))")
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "|".join(repr(c) for c in suites.sweep_cases(5, 50))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sweep_shapes_bounds_classes_and_layouts(seed):
+    cases = suites.sweep_cases(seed, 400)
+    sizes = [s for c in cases for s in (c.m, c.n, c.k)]
+    assert all(1 <= s <= 16384 for s in sizes)
+    assert all(2 * c.m * c.n * c.k <= 2**34 for c in cases)
+    # Log-uniform: every decade of sizes is there.
+    assert min(sizes) < 10 and max(sizes) > 8192
+    assert all(any(10**d <= s < 10**(d + 1) for s in sizes) for d in range(4))
+    not_16 = sum(s % 16 != 0 for s in sizes) / len(sizes)
+    assert 0.3 < not_16 < 0.6
+    assert any(s % 8 == 0 and s % 16 != 0 for s in sizes) and any(s % 8 for s in sizes)
+    for c in cases:
+        expected = ("mult64" if all(s % 64 == 0 for s in (c.m, c.n, c.k)) else
+                    "mult8" if all(s % 8 == 0 for s in (c.m, c.n, c.k)) else "arbitrary")
+        assert c.shape_class == expected and c.suite == "sweep"
+    assert {c.shape_class for c in cases} == {"mult64", "mult8", "arbitrary"}
+    other = [c for c in cases if (c.a_layout, c.b_layout, c.a_pad, c.b_pad) != ("row", "col", 0, 0)]
+    assert 0.15 < len(other) / len(cases) < 0.35
+    assert any(c.a_layout == "col" for c in other) and any(c.b_layout == "row" for c in other)
+    sliced = [(c, op) for c in other for op in ("a", "b") if (c.a_pad, c.b_pad)[op == "b"]]
+    aligned = [_row_stride(c, op) * 2 % 16 == 0 for c, op in sliced]  # 2-byte elements
+    assert any(aligned) and not all(aligned)
+    assert {op for _, op in sliced} == {"a", "b"}
+    for c in cases:  # the name says what is not nn.Linear's layout
+        tags = c.name.split()[1:]
+        assert ("a-col" in tags) == (c.a_layout == "col")
+        assert ("b-row" in tags) == (c.b_layout == "row")
+        assert (f"a-pad{c.a_pad}" in tags) == bool(c.a_pad)
+        assert (f"b-pad{c.b_pad}" in tags) == bool(c.b_pad)
+
+
+@pytest.mark.parametrize("a_layout, b_layout, a_pad, b_pad", [
+    ("row", "col", 0, 0), ("col", "row", 0, 0), ("row", "col", 13, 8), ("col", "row", 3, 24),
+    ("row", "row", 0, 5), ("col", "col", 16, 0)])
+def test_make_operands_builds_the_layouts_and_sliced_views(a_layout, b_layout, a_pad, b_pad):
+    m, n, k = 12, 20, 36
+    case = Case("t", "t", m, n, k, a_layout, b_layout, a_pad, b_pad)
+    a, b = gemm.make_operands(case, torch.float32, torch.device("cpu"))
+    assert a.shape == (m, k) and b.shape == (k, n)
+    expected_a = (k + a_pad, 1) if a_layout == "row" else (1, m + a_pad)
+    expected_b = (1, k + b_pad) if b_layout == "col" else (n + b_pad, 1)
+    assert a.stride() == expected_a and b.stride() == expected_b
+    for x, pad in ((a, a_pad), (b, b_pad)):
+        assert x.storage_offset() == 0  # the buffer's first columns: copies keep the alignment
+        stored = x if x.stride()[1] == 1 else x.t()
+        assert stored.stride() == (stored.shape[1] + pad, 1)
+        # Every element of the buffer is random (no zeros), the pad columns included.
+        buffer = torch.as_strided(stored, (stored.shape[0], stored.shape[1] + pad),
+                                  (stored.shape[1] + pad, 1))
+        assert (buffer != 0).all() and buffer.std() > 0.5
+    copy_a, copy_b = timing.operand_copies((a, b), calls=2)[1]
+    assert copy_a.stride() == a.stride() and copy_b.stride() == b.stride()
+    assert torch.equal(copy_a, a) and torch.equal(copy_b, b)
+
+
+def test_make_operands_for_every_sweep_case():
+    for case in suites.sweep_cases(0, 400):
+        a, b = gemm.make_operands(case, torch.bfloat16, torch.device("meta"))
+        assert a.shape == (case.m, case.k) and b.shape == (case.k, case.n)
+        a_stride, b_stride = _row_stride(case, "a"), _row_stride(case, "b")
+        assert a.stride() == ((a_stride, 1) if case.a_layout == "row" else (1, a_stride))
+        assert b.stride() == ((1, b_stride) if case.b_layout == "col" else (b_stride, 1))
 
 
 def test_memory_bound_rows_are_the_skinny_ones():
@@ -160,6 +296,20 @@ def test_list_prints_suites_and_row_counts(capsys):
     per_dtype = sum(SHAPE_LIST_COUNTS[s] for s in suites.DEFAULT_SUITES if suites.per_dtype(s))
     fixed = SHAPE_LIST_COUNTS["e2e"] + SHAPE_LIST_COUNTS["coldstart"]
     assert f"{2 * per_dtype + fixed} rows would run" in out
+
+
+def test_list_shows_the_sweep_of_a_seed(capsys):
+    assert cli.main(["--list", "--suite", "sweep", "--count", "20", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:2] == ["sweep", "20"] for line in out.splitlines())
+    assert "40 rows would run" in out  # 20 shapes, bf16 and fp16
+    listed = [line.split() for line in out.splitlines() if line.startswith("sweep  ")]
+    cases = suites.sweep_cases(3, 20)
+    assert [cells[1:3] for cells in listed[1:]] == [[c.shape_class, c.name.split()[0]]
+                                                   for c in cases]
+    padded = next(c for c in suites.sweep_cases(3, 400) if c.a_pad)
+    assert cli.main(["--list", "--suite", "sweep", "--seed", "3"]) == 0
+    assert f"row pad {padded.a_pad}" in capsys.readouterr().out
 
 
 def test_list_with_suites_shows_their_shapes(capsys):
@@ -312,6 +462,151 @@ def test_csv_has_every_row_at_full_precision(tmp_path):
     assert [r["name"] for r in rows if r["suite"] == "coldstart"] == list(suites.COLDSTART_RUNS)
 
 
+def test_ratio_stats_match_numpy():
+    rng = np.random.default_rng()
+    values = list(np.exp(rng.normal(0.0, 0.4, size=97)))
+    stats = report.ratio_stats([*values, math.nan, 0.0, math.inf])  # not measured: left out
+    assert stats.count == 97
+    assert stats.geomean == pytest.approx(statistics.geometric_mean(values))
+    assert stats.p5 == pytest.approx(np.percentile(values, 5))
+    assert stats.median == pytest.approx(statistics.median(values))
+    assert stats.minimum == min(values)
+    for threshold in (0.9, 0.5):
+        assert stats.below[threshold] == pytest.approx(np.mean(np.array(values) < threshold))
+    assert report.percentile([3.0], 5) == 3.0
+    assert math.isnan(report.ratio_stats([math.nan]).geomean)
+
+
+# (upper bound, label) of the summary's M*N*K bands, as the benchmark shape list names them.
+BANDS = ((1e7, "MNK < 1e7"), (1e9, "MNK 1e7-1e9"), (1e11, "MNK 1e9-1e11"),
+         (math.inf, "MNK >= 1e11"))
+
+
+def _sweep_results(inductor: bool) -> list[GemmResult]:
+    """Random times for 60 sweep shapes in bf16 and fp16; an error row, and with ``inductor``
+    Inductor times on most rows (its compile failed on the rest)."""
+    rng = random.Random()
+    results = []
+    for dtype in ("bf16", "fp16"):
+        for i, case in enumerate(suites.sweep_cases(rng.randrange(1000), 60)):
+            if i == 7:
+                results.append(GemmResult(case, dtype, error="OutOfMemoryError: x"))
+                continue
+            kernel = {"tgemm": rng.uniform(0.01, 1), "torch": rng.uniform(0.01, 1)}
+            eager = {impl: ms + rng.uniform(0, 0.02) for impl, ms in kernel.items()}
+            if inductor and i % 5:
+                kernel["inductor"] = rng.uniform(0.01, 1)
+                eager["inductor"] = kernel["inductor"] + 0.01
+            results.append(GemmResult(case, dtype, kernel, eager, 1e-3, "fp64", 0.1))
+    return results
+
+
+def _joined_cells(text: str, first: str) -> str:
+    return " ".join(_cells(text, first))
+
+
+@pytest.mark.parametrize("inductor", [False, True])
+def test_sweep_distribution_and_groups_match_an_independent_computation(inductor):
+    results = _sweep_results(inductor)
+    distribution = report.distribution_section("sweep", results).render()
+    groups = report.groups_section("sweep", results).render()
+    impls = ("tgemm", "inductor") if inductor else ("tgemm",)
+    for dtype in ("bf16", "fp16"):
+        rows = [r for r in results if r.dtype == dtype and not r.error]
+        for impl in impls:
+            for kind in ("kernel", "eager"):
+                timed = [r for r in rows if impl in r.kernel_ms]
+                times = {id(r): (r.kernel_ms if kind == "kernel" else r.eager_ms) for r in timed}
+                ratios = [times[id(r)]["torch"] / times[id(r)][impl] for r in timed]
+                worst = timed[ratios.index(min(ratios))]
+                expected = [dtype, impl, kind, str(len(ratios)),
+                            f"{statistics.geometric_mean(ratios):.2f}",
+                            f"{np.percentile(ratios, 5):.2f}",
+                            f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}",
+                            f"{100 * np.mean(np.array(ratios) < 0.9):.1f}%",
+                            f"{100 * np.mean(np.array(ratios) < 0.5):.1f}%",
+                            *worst.case.display_name.split()]
+                assert _cells(distribution, f"{dtype} {impl} {kind}") == expected
+        # Geometric means by size class and by M*N*K band.
+        by_group: dict[str, list[GemmResult]] = {}
+        for r in rows:
+            by_group.setdefault(r.case.shape_class, []).append(r)
+            volume = r.case.m * r.case.n * r.case.k
+            by_group.setdefault(next(label for bound, label in BANDS if volume < bound),
+                                []).append(r)
+        for name, group in by_group.items():
+            cells = [str(len(group))]
+            for impl in impls:
+                for times in ("kernel_ms", "eager_ms"):
+                    ratios = [getattr(r, times)["torch"] / getattr(r, times)[impl]
+                              for r in group if impl in r.kernel_ms]
+                    cells.append(f"{statistics.geometric_mean(ratios):.2f}" if ratios else "n/a")
+            assert _joined_cells(groups, f"{dtype} {name}") == " ".join(
+                [dtype, name, *cells]), name
+    group_names = [line.split()[1] for line in groups.splitlines()[3:]]
+    assert group_names[:3] == ["mult64", "mult8", "arbitrary"]  # classes, then bands
+
+
+def test_planner_sections_follow_their_rows():
+    classes = [GemmResult(c, "bf16", {"tgemm": 1.0, "torch": 1.0 + i % 3},
+                          {"tgemm": 2.0, "torch": 2.0}, 1e-3, "fp64", 0.1)
+               for i, c in enumerate(suites.suite_cases("classes"))]
+    results = RunResults(mm=[*_mm_results(), *classes, *_sweep_results(True)])
+    titles = [s.title.split(":")[0] for s in report.sections(results)]
+    assert titles == ["mm llama", "mm square", "mm classes", "classes", "mm sweep", "sweep",
+                      "sweep"]
+    text = "\n".join(s.render() for s in report.sections(results))
+    near1000 = [r for r in classes if r.case.shape_class == "near1000"]
+    assert _cells(text, "bf16 near1000")[2:] == [
+        "4", f"{statistics.geometric_mean([r.ratio() for r in near1000]):.2f}", "1.00"]
+    assert _cells(text, "classes near1000 1000^3 1000 1000 1000 bf16")[7:11] == [
+        *(f"{2e9 / 1e-3 / 1e12:.2f}",) * 2, "1.00", "1.00"]
+    summary = report.summary(results)
+    # Inductor times on the 48 rows i % 5 != 0, less the error row (i = 7).
+    assert _cells(summary, "sweep inductor bf16")[3:6] == ["47", "(13", "failed)"]
+    assert "sweep inductor" not in "".join(_cells(summary, "classes bf16"))
+    md = report.markdown_report(["h"], results)
+    assert "## sweep: speed / torch speed" in md and "## classes: geometric mean" in md
+
+
+def test_mm_table_and_csv_with_inductor(tmp_path):
+    case = Case("sweep", "1000x24x7 a-pad13", 1000, 24, 7, a_pad=13, shape_class="arbitrary")
+    r = GemmResult(case, "fp16", {"tgemm": 0.02, "torch": 0.03, "inductor": 0.06},
+                   {"tgemm": 0.04, "torch": 0.05, "inductor": 0.1}, 1e-3, "fp64", 0.1)
+    plain = GemmResult(SQUARE, "fp16", {"tgemm": 0.2, "torch": 0.2}, {"tgemm": 0.2, "torch": 0.2})
+    table = report.mm_section([r, plain]).render()
+    headers = [h.strip() for h in table.splitlines()[1].split("  ") if h.strip()]
+    assert headers[8:13] == ["ratio kernel", "ratio eager", "inductor TFLOP/s",
+                             "inductor ratio kernel", "inductor ratio eager"]
+    row = _cells(table, "sweep arbitrary 1000x24x7 a-pad13")
+    assert row[10:13] == ["1.50", "1.25", f"{2 * 1000 * 24 * 7 / 60e-6 / 1e12:.2f}"]
+    assert row[13:15] == ["0.50", "0.50"]  # Inductor speed / torch speed
+    assert _cells(table, "square 4096^3")[9:12] == ["1.00", "n/a", "n/a"]
+    assert "inductor" not in report.mm_section([plain]).render()
+    path = tmp_path / "out.csv"
+    report.write_csv(str(path), RunResults(mm=[r, plain]).records())
+    with open(path, newline="") as f:
+        first, second = csv.DictReader(f)
+    assert (first["a_pad"], first["b_pad"], first["class"]) == ("13", "0", "arbitrary")
+    assert float(first["inductor_ms"]) == 0.06
+    assert float(first["inductor_ratio"]) == pytest.approx(3.0)  # tgemm speed / inductor's
+    assert float(first["inductor_vs_torch_ratio"]) == pytest.approx(0.5)
+    assert float(first["inductor_vs_torch_eager_ratio"]) == pytest.approx(0.5)
+    assert second["inductor_ms"] == "" and second["class"] == ""
+
+
+def test_inductor_config_keeps_the_names_this_torch_has(monkeypatch):
+    config = gemm.inductor_config()
+    assert config["max_autotune_gemm_backends"] == "TRITON"
+    from torch._inductor import config as inductor
+
+    with inductor.patch(config):  # every name it keeps is one patch() accepts
+        assert inductor.max_autotune_gemm_backends == "TRITON"
+    monkeypatch.setattr(gemm, "INDUCTOR_CONFIG", {
+        **gemm.INDUCTOR_CONFIG, "triton.no_such_option": 1, "no_such_option": 2})
+    assert gemm.inductor_config() == config
+
+
 def test_cold_start_result_line_is_parsed():
     out = 'noise\n{"mode": "override", "step_s": [30.5, 0.1, 0.12], "loss": 10.37}\n'
     r = e2e.parse_child_output("override, cold caches", out, 41.0)
@@ -329,12 +624,28 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
     path = tmp_path / "plot.png"
     assert report.write_plot(str(path), _mm_results()) is False
     assert 'pip install "torch-triton-gemm[bench]"' in capsys.readouterr().err
+    assert report.write_ratio_plot(str(path), _sweep_results(False)) is False
+    assert 'pip install "torch-triton-gemm[bench]"' in capsys.readouterr().err
     assert not path.exists()
     # The command line says so before it would start a run (here it then stops: no GPU).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["--plot", str(path), "--suite", "square"]) == 2
     err = capsys.readouterr().err
     assert 'pip install "torch-triton-gemm[bench]"' in err and "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("suites_run, written", [
+    (("sweep",), ["plot.png"]),
+    (("square", "sweep"), ["plot-sweep.png", "plot.png"]),
+    (("square",), ["plot.png"]),
+])
+def test_plots_of_mm_rows_and_of_the_sweep(suites_run, written, tmp_path):
+    pytest.importorskip("matplotlib")  # an optional dependency (the bench extra)
+    mm = [r for r in [*_mm_results(), *_sweep_results(True)] if r.case.suite in suites_run]
+    cli._write_plots(str(tmp_path / "plot.png"), RunResults(mm=mm))
+    assert sorted(p.name for p in tmp_path.iterdir()) == written
+    for name in written:
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
 
 
 # --- input builders and row runner (CPU tensors, no kernels) ------------------------------------
@@ -466,6 +777,8 @@ def test_help_and_list_run_without_plotting_packages():
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "--suite NAMES" in proc.stdout and "coldstart" in proc.stdout
+    for word in ("sweep", "classes", "--seed S", "--count N", "--inductor"):
+        assert word in proc.stdout, word
     assert "rows would run" in proc.stdout
     # And the command itself, as a user types it.
     proc = subprocess.run([sys.executable, "-m", "torch_triton_gemm.bench", "--help"], env=env,

@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 
 def _suite_help() -> str:
-    lines = ["suites (default: every one but grouped and scaled):"]
+    lines = ["suites (default: every one but grouped, scaled, classes and sweep):"]
     lines += [f"  {name:<10} {suites.SUITE_DESCRIPTIONS[name]}" for name in suites.ALL_SUITES]
     lines.append("  " + "; ".join(f"{group} = {', '.join(names)}" if group == "mm" else
                                   f"{group}: {len(names)} suites"
@@ -110,10 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "keeps its best median (default: 2)")
     parser.add_argument("--calls", type=_positive_int, default=16, metavar="N",
                         help="most calls per timed batch and per CUDA graph (default: 16)")
+    parser.add_argument("--seed", type=int, default=suites.SWEEP_SEED, metavar="S",
+                        help="seed of the sweep's random shapes (default: "
+                             f"{suites.SWEEP_SEED}); fit on one seed, judge on another")
+    parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
+                        help=f"shapes in the sweep (default: {suites.SWEEP_COUNT}; with "
+                             f"--quick: {suites.QUICK_SWEEP_COUNT}); a larger count keeps the "
+                             "smaller one's shapes first")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also time torch.mm compiled by Inductor with Triton GEMM templates "
+                             "only (max-autotune) in the mm suites; slow: a compile per shape")
     parser.add_argument("--csv", metavar="PATH", help="write every row to a CSV file")
     parser.add_argument("--plot", metavar="PATH",
-                        help="write a PNG bar chart of the mm rows' TFLOP/s (needs matplotlib: "
-                             'pip install "torch-triton-gemm[bench]")')
+                        help="write a PNG bar chart of the mm rows' TFLOP/s, and for the sweep "
+                             "a plot of its ratios against M*N*K (PATH, or PATH with -sweep "
+                             "added when there are other mm rows); needs matplotlib: "
+                             'pip install "torch-triton-gemm[bench]"')
     parser.add_argument("--markdown", action="store_true",
                         help="also print the tables as GitHub markdown")
     parser.add_argument("--out", metavar="DIR",
@@ -135,6 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.suite = list(suites.DEFAULT_SUITES)
     if args.dtypes is None:
         args.dtypes = ["bf16"] if args.quick else list(DTYPE_NAMES)
+    args.count = suites.sweep_count(args.quick, args.count)
     return args
 
 
@@ -150,7 +163,7 @@ def list_text(args: argparse.Namespace) -> str:
     rows = []
     total = 0
     for name in suites.ALL_SUITES:
-        count = suites.suite_row_count(name, args.quick)
+        count = suites.suite_row_count(name, args.quick, args.count)
         dtypes = (",".join(args.dtypes) if suites.per_dtype(name) else _FIXED_DTYPES[name])
         runs = name in args.suite
         if runs:
@@ -169,12 +182,14 @@ def list_text(args: argparse.Namespace) -> str:
 def _cases_text(args: argparse.Namespace) -> str:
     parts = []
     cases = [c for s in args.suite if suites.per_dtype(s)
-             for c in suites.suite_cases(s, args.quick)]
+             for c in suites.suite_cases(s, args.quick, seed=args.seed, count=args.count)]
     if cases:
-        rows = [[c.suite, c.name, str(c.m), str(c.n), str(c.k), c.a_layout, c.b_layout]
-                for c in cases]
-        parts.append(report.format_table(("suite", "name", "M", "N", "K", "a", "b"), rows,
-                                         {"suite", "name", "a", "b"}))
+        # The class column only where a listed suite has classes (the planner suites).
+        classes = any(c.shape_class for c in cases)
+        headers = ("suite", *(("class",) if classes else ()), "name", "M", "N", "K", "a", "b")
+        rows = [[c.suite, *((c.shape_class,) if classes else ()), c.name, str(c.m), str(c.n),
+                 str(c.k), _layout_cell(c, "a"), _layout_cell(c, "b")] for c in cases]
+        parts.append(report.format_table(headers, rows, {"suite", "class", "name", "a", "b"}))
     if "grouped" in args.suite:
         rows = [[c.name, c.form, c.routing, str(c.groups), str(c.tokens), str(c.n), str(c.k),
                  str(sum(size == 0 for size in c.group_sizes()))]
@@ -190,10 +205,20 @@ def _cases_text(args: argparse.Namespace) -> str:
     return "\n\n".join(["", *parts]) if parts else ""
 
 
+def _layout_cell(case: suites.Case, operand: str) -> str:
+    layout = case.a_layout if operand == "a" else case.b_layout
+    pad = case.stored(operand)[2]
+    return f"{layout} pad {pad}" if pad else layout
+
+
 # --- running ------------------------------------------------------------------------------------
 
-def header_lines(device: torch.device, settings: TimingSettings) -> list[str]:
-    """What ran where, and how it was timed."""
+def header_lines(device: torch.device, settings: TimingSettings,
+                 inductor_config: dict[str, object] | None = None) -> list[str]:
+    """What ran where, and how it was timed; ``inductor_config`` when --inductor is on."""
+    inductor = ([f"inductor: torch.compile(torch.mm, mode=max-autotune-no-cudagraphs, "
+                 f"dynamic=False) per shape, with Inductor config {inductor_config}"]
+                if inductor_config is not None else [])
     return [
         f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | "
         f"triton {triton.__version__} | tgemm {tg.__version__}",
@@ -201,6 +226,7 @@ def header_lines(device: torch.device, settings: TimingSettings) -> list[str]:
         f"operand copies (cold L2); warmup {settings.warmup_ms:g} ms, rep {settings.rep_ms:g} "
         f"ms, best of {settings.rounds} alternating rounds",
         "mm: a row-major [M, K], b = W.t() with W [N, K] unless the name says otherwise",
+        *inductor,
         *report.LEGEND,
     ]
 
@@ -233,11 +259,15 @@ def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
     settings = settings_from(args)
     results = RunResults()
     printed: set[str] = set()
-    for suite in (s for s in suites.MM_SUITES if s in args.suite):
-        cases = suites.suite_cases(suite, args.quick)
-        _run_suite(results, suite, lambda c=cases: results.mm.extend(
-            gemm.run_mm(c, args.dtypes, settings, device)))
+
+    def run_mm_suite(suite: str) -> None:
+        cases = suites.suite_cases(suite, args.quick, seed=args.seed, count=args.count)
+        _run_suite(results, suite, lambda: results.mm.extend(
+            gemm.run_mm(cases, args.dtypes, settings, device, args.inductor)))
         _print_new_sections(results, printed)
+
+    for suite in (s for s in suites.MM_SUITES if s in args.suite):
+        run_mm_suite(suite)
     if "latency" in args.suite:
         cases = suites.suite_cases("latency")
         _run_suite(results, "latency", lambda: results.latency.extend(
@@ -269,6 +299,9 @@ def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
         _run_suite(results, "coldstart", lambda: results.coldstart.extend(
             e2e.run_coldstart(args.coldstart_timeout)))
         _print_new_sections(results, printed)
+    # Last: the longest suites.
+    for suite in (s for s in suites.PLANNER_SUITES if s in args.suite):
+        run_mm_suite(suite)
     return results
 
 
@@ -284,8 +317,22 @@ def _write_files(args: argparse.Namespace, header: list[str], results: RunResult
         with open(md_path, "w") as f:
             f.write(report.markdown_report(header, results))
         print(f"wrote {csv_path} and {md_path}", file=sys.stderr)
-    if args.plot and report.write_plot(args.plot, results.mm):
-        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.plot:
+        _write_plots(args.plot, results)
+
+
+def _write_plots(path: str, results: RunResults) -> None:
+    """The bar chart of the mm rows at ``path``, the sweep's scatter plot at ``path`` with
+    "-sweep" added (at ``path`` itself when the sweep was the only mm suite)."""
+    bars = [r for r in results.mm if r.case.suite != "sweep"]
+    sweep = [r for r in results.mm if r.case.suite == "sweep"]
+    if bars and report.write_plot(path, bars):
+        print(f"wrote {path}", file=sys.stderr)
+    if sweep:
+        stem, ext = os.path.splitext(path)
+        sweep_path = f"{stem}-sweep{ext or '.png'}" if bars else path
+        if report.write_ratio_plot(sweep_path, sweep):
+            print(f"wrote {sweep_path}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,7 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cannot benchmark: {error}", file=sys.stderr)
         return 2
 
-    header = header_lines(device, settings_from(args))
+    from . import gemm  # imported once a GPU is known to be there, as in run_suites
+
+    header = header_lines(device, settings_from(args),
+                          gemm.inductor_config() if args.inductor else None)
     print("\n".join(f"# {line}" for line in header), flush=True)
     torch.manual_seed(0)
     results = run_suites(args, device)

@@ -1,4 +1,4 @@
-"""How results are shown: plain-text and markdown tables, the summary, CSV, and a PNG plot.
+"""How results are shown: plain-text and markdown tables, the summaries, CSV, and PNG plots.
 
 Nothing here needs a GPU, and matplotlib is imported only when a plot is written (it is an
 optional dependency: ``pip install "torch-triton-gemm[bench]"``).
@@ -10,9 +10,12 @@ import csv
 import importlib.util
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TypeVar
 
+from . import suites
 from .results import (
     ColdStartResult,
     E2EResult,
@@ -111,19 +114,33 @@ def _gemm_issues(results: Sequence[GemmResult]) -> list[str]:
 
 MM_HEADERS = ("suite", "name", "M", "N", "K", "dtype", "tgemm TFLOP/s", "torch TFLOP/s",
               "ratio kernel", "ratio eager", "tgemm GB/s", "torch GB/s", "rel err", "err vs")
+# Columns after "ratio eager" in tables with --inductor rows; its ratios are against torch.
+INDUCTOR_HEADERS = ("inductor TFLOP/s", "inductor ratio kernel", "inductor ratio eager")
+
+
+def _with_inductor(results: Sequence[GemmResult]) -> bool:
+    return any(r.has("inductor") for r in results)
 
 
 def mm_section(results: Sequence[GemmResult], title: str = "mm") -> Section:
+    inductor = _with_inductor(results)
+    headers = MM_HEADERS
+    if inductor:
+        split = MM_HEADERS.index("ratio eager") + 1
+        headers = (*MM_HEADERS[:split], *INDUCTOR_HEADERS, *MM_HEADERS[split:])
     rows = []
     for r in results:
         c = r.case
         gbps = ([_fmt(r.gbps("tgemm"), ".0f"), _fmt(r.gbps("torch"), ".0f")]
                 if c.memory_bound else ["", ""])
-        rows.append([c.suite, c.name, str(c.m), str(c.n), str(c.k), r.dtype,
+        inductor_cells = ([fmt_tflops(r.tflops("inductor")),
+                           fmt_ratio(r.ratio("torch", "kernel", "inductor")),
+                           fmt_ratio(r.ratio("torch", "eager", "inductor"))] if inductor else [])
+        rows.append([c.suite, c.display_name, str(c.m), str(c.n), str(c.k), r.dtype,
                      fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
                      fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
-                     *gbps, *_err_cells(r)])
-    return Section(title, MM_HEADERS, rows, frozenset({"suite", "name", "dtype", "err vs"}),
+                     *inductor_cells, *gbps, *_err_cells(r)])
+    return Section(title, headers, rows, frozenset({"suite", "name", "dtype", "err vs"}),
                    _gemm_issues(results))
 
 
@@ -213,9 +230,15 @@ def _plain_first_step(results: Sequence[ColdStartResult]) -> float:
 
 
 def sections(results: RunResults) -> list[Section]:
-    """The tables of everything measured, in report order."""
-    out = [mm_section(group, f"mm {suite}") for (suite, _), group
-           in _grouped_by(results.mm, lambda r: (r.case.suite, "")).items()]
+    """The tables of everything measured, in report order (a planner suite's summaries right
+    after its rows)."""
+    out = []
+    for suite, group in _grouped_by(results.mm, lambda r: r.case.suite).items():
+        out.append(mm_section(group, f"mm {suite}"))
+        if suite == "sweep":
+            out.append(distribution_section(suite, group))
+        if suite in suites.PLANNER_SUITES:
+            out.append(groups_section(suite, group))
     if results.latency:
         out.append(latency_section(results.latency))
     if results.grouped:
@@ -242,26 +265,34 @@ def geometric_mean(values: Iterable[float]) -> float:
 SUMMARY_HEADERS = ("suite", "dtype", "rows", "kernel-only", "eager", "worst row (kernel-only)")
 
 
-def _worst(results: Sequence[GemmResult], peer: str) -> GemmResult | None:
-    measured = [r for r in results if math.isfinite(r.ratio(peer, "kernel"))]
-    return min(measured, key=lambda r: r.ratio(peer, "kernel"), default=None)
+def _worst(results: Sequence[GemmResult], peer: str, impl: str = "tgemm",
+           kind: str = "kernel") -> GemmResult | None:
+    measured = [r for r in results if math.isfinite(r.ratio(peer, kind, impl))]
+    return min(measured, key=lambda r: r.ratio(peer, kind, impl), default=None)
 
 
 def _summary_row(name: str, dtype: str, results: Sequence[GemmResult],
-                 peer: str = "torch") -> list[str]:
-    failed = sum(bool(r.error) for r in results)
-    rows = str(len(results) - failed) + (f" ({failed} failed)" if failed else "")
-    worst = _worst(results, peer)
-    worst_cell = (f"{worst.case.label()} {fmt_ratio(worst.ratio(peer, 'kernel'))}"
+                 peer: str = "torch", impl: str = "tgemm") -> list[str]:
+    """Geometric means of ``impl``'s speed over ``peer``'s; rows without ``impl`` (failed, or
+    Inductor could not compile them) count as failed."""
+    measured = sum(r.has(impl) for r in results)
+    failed = len(results) - measured
+    rows = str(measured) + (f" ({failed} failed)" if failed else "")
+    worst = _worst(results, peer, impl)
+    worst_cell = (f"{worst.case.label()} {fmt_ratio(worst.ratio(peer, 'kernel', impl))}"
                   if worst else "n/a")
     return [name, dtype, rows,
-            fmt_ratio(geometric_mean(r.ratio(peer, "kernel") for r in results)),
-            fmt_ratio(geometric_mean(r.ratio(peer, "eager") for r in results)), worst_cell]
+            fmt_ratio(geometric_mean(r.ratio(peer, "kernel", impl) for r in results)),
+            fmt_ratio(geometric_mean(r.ratio(peer, "eager", impl) for r in results)), worst_cell]
+
+
+K = TypeVar("K", bound=Hashable)
 
 
 def _grouped_by(results: Sequence[GemmResult],
-                key: Callable[[GemmResult], tuple[str, str]]) -> dict[tuple[str, str], list]:
-    groups: dict[tuple[str, str], list[GemmResult]] = {}
+                key: Callable[[GemmResult], K]) -> dict[K, list[GemmResult]]:
+    """The results by ``key``, in order of first appearance."""
+    groups: dict[K, list[GemmResult]] = {}
     for r in results:
         groups.setdefault(key(r), []).append(r)
     return groups
@@ -270,8 +301,11 @@ def _grouped_by(results: Sequence[GemmResult],
 def summary_rows(results: RunResults) -> list[list[str]]:
     """Geometric-mean ratios (tgemm speed / peer speed) per suite and dtype, both timings,
     with each group's worst row."""
-    rows = [_summary_row(suite, dtype, group) for (suite, dtype), group
-            in _grouped_by(results.mm, lambda r: (r.case.suite, r.dtype)).items()]
+    rows = []
+    for (suite, dtype), group in _grouped_by(results.mm, lambda r: (r.case.suite, r.dtype)).items():
+        rows.append(_summary_row(suite, dtype, group))
+        if _with_inductor(group):
+            rows.append(_summary_row(f"{suite} inductor", dtype, group, impl="inductor"))
     if results.grouped:
         rows.append(_summary_row("grouped vs torch", "bf16", results.grouped))
         rows.append(_summary_row("grouped vs loop", "bf16", results.grouped, peer="loop"))
@@ -328,6 +362,8 @@ LEGEND = (
     "memory-bound rows",
     "rel err = ||out - ref|| / ||ref|| against: fp64, a float64 product; torch, torch.mm's "
     "output (agreement, not error); fp32, fp32 products; fp32 deq, the dequantized product",
+    "inductor (--inductor): torch.mm compiled by Inductor with Triton GEMM templates only; "
+    "its ratios are Inductor speed / torch speed",
 )
 
 
@@ -340,6 +376,111 @@ def summary(results: RunResults, markdown: bool = False) -> str:
     table = Section(title, SUMMARY_HEADERS, rows, frozenset({"suite", "dtype", "rows",
                                                             "worst row (kernel-only)"}), lines)
     return table.render(markdown) if rows else "\n".join([title.split(":")[0] + ":", *lines])
+
+
+# --- planner suites: distributions, and geometric means by class and size ----------------------
+
+# (upper bound of M*N*K, label) of the size bands, smallest first.
+SIZE_BANDS = ((1e7, "MNK < 1e7"), (1e9, "MNK 1e7-1e9"), (1e11, "MNK 1e9-1e11"),
+              (math.inf, "MNK >= 1e11"))
+
+
+def size_band(case: suites.Case) -> str:
+    """The SIZE_BANDS label of a case's M*N*K."""
+    volume = case.m * case.n * case.k
+    return next(label for bound, label in SIZE_BANDS if volume < bound)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, interpolating linearly between the
+    closest ranks (numpy's default); NaN for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class RatioStats:
+    """How a set of speed ratios is spread; ``below`` maps a threshold to the share under it."""
+
+    count: int
+    geomean: float
+    p5: float
+    median: float
+    minimum: float
+    below: dict[float, float]
+
+
+LOW_RATIOS = (0.9, 0.5)  # thresholds the distribution table counts the shares below
+
+
+def ratio_stats(values: Iterable[float]) -> RatioStats:
+    """Statistics of the positive finite ``values`` (the others were not measured)."""
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    below = {t: (sum(v < t for v in values) / len(values) if values else math.nan)
+             for t in LOW_RATIOS}
+    return RatioStats(len(values), geometric_mean(values), percentile(values, 5),
+                      percentile(values, 50), min(values, default=math.nan), below)
+
+
+def _peer_columns(results: Sequence[GemmResult]) -> list[tuple[str, str]]:
+    """(impl, kind) pairs whose speed / torch speed the planner tables show."""
+    impls = ("tgemm", "inductor") if _with_inductor(results) else ("tgemm",)
+    return [(impl, kind) for impl in impls for kind in ("kernel", "eager")]
+
+
+DISTRIBUTION_HEADERS = ("dtype", "impl", "timing", "rows", "geomean", "p5", "median", "min",
+                        *(f"< {t:g}" for t in LOW_RATIOS), "worst shape")
+
+
+def distribution_section(suite: str, results: Sequence[GemmResult]) -> Section:
+    """Per dtype, implementation and timing: how the speed ratios to torch spread, and the
+    shape of the smallest."""
+    rows = []
+    for dtype, group in _grouped_by(results, lambda r: r.dtype).items():
+        for impl, kind in _peer_columns(results):
+            stats = ratio_stats(r.ratio("torch", kind, impl) for r in group)
+            worst = _worst(group, "torch", impl, kind)
+            share = [_fmt(100 * stats.below[t], ".1f") + "%" if stats.count else "n/a"
+                     for t in LOW_RATIOS]
+            rows.append([dtype, impl, kind, str(stats.count), fmt_ratio(stats.geomean),
+                         fmt_ratio(stats.p5), fmt_ratio(stats.median), fmt_ratio(stats.minimum),
+                         *share, worst.case.display_name if worst else "n/a"])
+    title = (f"{suite}: speed / torch speed (above 1: faster than cuBLAS) over "
+             f"{len({r.case for r in results})} shapes")
+    footer = ["names: a-col = a is a [K, M] tensor transposed; b-row = b is a row-major [K, N] "
+              "tensor; a-padP, b-padP = the operand is sliced from a buffer P columns wider"]
+    return Section(title, DISTRIBUTION_HEADERS, rows,
+                   frozenset({"dtype", "impl", "timing", "worst shape"}), footer)
+
+
+def _groups(suite: str, results: Sequence[GemmResult]) -> list[tuple[str, list[GemmResult]]]:
+    """The sweep's rows by size class, then by size band; other suites' by shape class."""
+    by_class = _grouped_by(results, lambda r: r.case.shape_class)
+    if suite != "sweep":
+        return list(by_class.items())
+    by_band = _grouped_by(results, lambda r: size_band(r.case))
+    return ([(name, by_class[name]) for name in suites.SIZE_CLASSES if name in by_class]
+            + [(label, by_band[label]) for _, label in SIZE_BANDS if label in by_band])
+
+
+def groups_section(suite: str, results: Sequence[GemmResult]) -> Section:
+    """Geometric means of the speed ratios to torch per dtype and group of shapes."""
+    columns = _peer_columns(results)
+    headers = ("dtype", "group", "rows", *(f"{impl} {kind}" for impl, kind in columns))
+    rows = []
+    for dtype, by_dtype in _grouped_by(results, lambda r: r.dtype).items():
+        for name, group in _groups(suite, by_dtype):
+            rows.append([dtype, name, str(sum(not r.error for r in group)),
+                         *(fmt_ratio(geometric_mean(r.ratio("torch", kind, impl) for r in group))
+                           for impl, kind in columns)])
+    what = "size class and M*N*K band" if suite == "sweep" else "class"
+    title = f"{suite}: geometric mean of speed / torch speed by {what}"
+    return Section(title, headers, rows, frozenset({"dtype", "group"}), [])
 
 
 # --- files --------------------------------------------------------------------------------------
@@ -373,19 +514,28 @@ def matplotlib_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def _pyplot() -> ModuleType | None:
+    """matplotlib.pyplot drawing to files, or None (with a message on stderr) without it."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(NO_MATPLOTLIB, file=sys.stderr)
+        return None
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_plot(path: str, results: Sequence[GemmResult]) -> bool:
     """Bar chart of tgemm vs torch kernel-only TFLOP/s per mm row, one panel per dtype; False
     (with a message on stderr) when matplotlib is missing or nothing was measured."""
     results = [r for r in results if not r.error]
     if not results:
         return False
-    try:
-        import matplotlib
-    except ImportError:
-        print(NO_MATPLOTLIB, file=sys.stderr)
+    plt = _pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")  # files only; no display needed
-    import matplotlib.pyplot as plt
 
     dtype_names = list(dict.fromkeys(r.dtype for r in results))
     widest = max(sum(r.dtype == d for r in results) for d in dtype_names)
@@ -406,6 +556,45 @@ def write_plot(path: str, results: Sequence[GemmResult]) -> bool:
         ax.set_title(f"tgemm vs torch.mm, {dtype_name}")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_ratio_plot(path: str, results: Sequence[GemmResult]) -> bool:
+    """Scatter plot of speed / torch speed against M*N*K (both log scales), kernel-only and
+    eager (and Inductor's where it ran), one panel per dtype, for the sweep's many shapes;
+    False (with a message on stderr) when matplotlib is missing or nothing was measured."""
+    results = [r for r in results if not r.error]
+    if not results:
+        return False
+    plt = _pyplot()
+    if plt is None:
+        return False
+
+    dtype_names = list(dict.fromkeys(r.dtype for r in results))
+    fig, axes = plt.subplots(len(dtype_names), 1, squeeze=False,
+                             figsize=(9.0, 5.0 * len(dtype_names)))
+    markers = {("tgemm", "kernel"): "o", ("tgemm", "eager"): "x", ("inductor", "kernel"): "^",
+               ("inductor", "eager"): "+"}
+    for ax, dtype_name in zip(axes[:, 0], dtype_names, strict=True):
+        rows = [r for r in results if r.dtype == dtype_name]
+        for impl, kind in _peer_columns(rows):
+            points = [(r.case.m * r.case.n * r.case.k, r.ratio("torch", kind, impl))
+                      for r in rows]
+            points = [(x, y) for x, y in points if math.isfinite(y) and y > 0]
+            ax.scatter([x for x, _ in points], [y for _, y in points], s=12, alpha=0.6,
+                       marker=markers[impl, kind], label=f"{impl}, {kind}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")  # 0.5x and 2x equally far from 1
+        ax.set_xlabel("M*N*K")
+        ax.set_ylabel("speed / torch (cuBLAS) speed")
+        ax.set_title(f"{rows[0].case.suite}: speed / cuBLAS speed, {dtype_name} "
+                     "(above 1: faster)")
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -15,8 +15,9 @@ from .suites import Case, GroupedCase, ScaledCase
 AnyCase = Case | GroupedCase | ScaledCase
 
 # Implementations a GEMM row may time: tgemm, the torch peer (torch.mm, torch._grouped_mm,
-# torch._scaled_mm), and for grouped rows a Python loop of torch.mm.
-IMPLS = ("tgemm", "torch", "loop")
+# torch._scaled_mm), for grouped rows a Python loop of torch.mm, and for mm rows with
+# --inductor torch.mm compiled by Inductor with its Triton templates.
+IMPLS = ("tgemm", "torch", "loop", "inductor")
 ELEMENT_SIZES = {"bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -51,9 +52,13 @@ class GemmResult:
         ms = self.time_ms(impl, kind)
         return self.case.flops / (ms * 1e-3) / 1e12 if ms > 0 else math.nan
 
-    def ratio(self, peer: str = "torch", kind: str = "kernel") -> float:
-        """Speed of tgemm over speed of ``peer``: above 1 means tgemm is faster."""
-        return safe_ratio(self.time_ms(peer, kind), self.time_ms("tgemm", kind))
+    def ratio(self, peer: str = "torch", kind: str = "kernel", impl: str = "tgemm") -> float:
+        """Speed of ``impl`` over speed of ``peer``: above 1 means ``impl`` is faster."""
+        return safe_ratio(self.time_ms(peer, kind), self.time_ms(impl, kind))
+
+    def has(self, impl: str) -> bool:
+        """Whether ``impl`` was timed (either way) in this row."""
+        return impl in self.kernel_ms or impl in self.eager_ms
 
     def gbps(self, impl: str = "tgemm") -> float:
         """Achieved bandwidth (operands and output once, kernel-only), memory-bound rows only."""
@@ -69,16 +74,18 @@ class GemmResult:
         """The row as CSV fields, full precision."""
         row: dict[str, object] = {"suite": self.case.suite, "name": self.case.name,
                                   "dtype": self.dtype, **self.case.record()}
-        for impl in IMPLS:
-            if impl in self.kernel_ms or impl in self.eager_ms:
-                row[f"{impl}_ms"] = self.time_ms(impl, "kernel")
-                row[f"{impl}_eager_ms"] = self.time_ms(impl, "eager")
-                row[f"{impl}_tflops"] = self.tflops(impl, "kernel")
-        for peer in IMPLS[1:]:
-            if peer in self.kernel_ms or peer in self.eager_ms:
-                prefix = "" if peer == "torch" else f"{peer}_"
-                row[f"{prefix}ratio"] = self.ratio(peer, "kernel")
-                row[f"{prefix}eager_ratio"] = self.ratio(peer, "eager")
+        for impl in filter(self.has, IMPLS):
+            row[f"{impl}_ms"] = self.time_ms(impl, "kernel")
+            row[f"{impl}_eager_ms"] = self.time_ms(impl, "eager")
+            row[f"{impl}_tflops"] = self.tflops(impl, "kernel")
+        for peer in filter(self.has, IMPLS[1:]):
+            prefix = "" if peer == "torch" else f"{peer}_"
+            row[f"{prefix}ratio"] = self.ratio(peer, "kernel")
+            row[f"{prefix}eager_ratio"] = self.ratio(peer, "eager")
+        if self.has("inductor"):
+            # Inductor against the same cuBLAS peer as tgemm's "ratio".
+            row["inductor_vs_torch_ratio"] = self.ratio("torch", "kernel", "inductor")
+            row["inductor_vs_torch_eager_ratio"] = self.ratio("torch", "eager", "inductor")
         if self.case.memory_bound:
             row["tgemm_gbps"] = self.gbps("tgemm")
             row["torch_gbps"] = self.gbps("torch")

@@ -2,18 +2,23 @@
 
 An mm shape is (M, N, K): a row-major activation a [M, K] times b [K, N], where b is a weight
 stored [N, K] and passed as ``W.t()`` (the way ``nn.Linear`` calls mm) unless the case says
-otherwise. Nothing here touches a GPU, so the suites can be listed and tested anywhere.
+otherwise (a transposed a, a row-major b, or an operand sliced out of a wider buffer). Nothing
+here touches a GPU, so the suites can be listed and tested anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 MM_SUITES = ("square", "llama", "layouts", "decode", "odd", "deepk", "shallowk")
 DEFAULT_SUITES = (*MM_SUITES, "latency", "e2e", "coldstart")
-ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled")
+# mm suites that judge the planner on shapes nobody tuned for; long, so they run when named.
+PLANNER_SUITES = ("classes", "sweep")
+ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", *PLANNER_SUITES)
 # Names that stand for several suites on the command line.
 SUITE_GROUPS = {"mm": MM_SUITES, "default": DEFAULT_SUITES, "all": ALL_SUITES}
 
@@ -30,6 +35,10 @@ SUITE_DESCRIPTIONS = {
     "coldstart": "first training step of the drop-in example's model in fresh processes",
     "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
     "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes",
+    "classes": "named shapes the planner finds hard: near1000, overwave, near3000, decode32, "
+               "decode1, wideN, deepK",
+    "sweep": "--count random shapes of --seed: M, N, K log-uniform over 1..16384, odd sizes "
+             "and layouts",
 }
 
 # --- mm suites ----------------------------------------------------------------------------------
@@ -70,6 +79,11 @@ class Case:
     k: int
     a_layout: str = "row"  # "row": [M, K] contiguous; "col": a [K, M] tensor transposed
     b_layout: str = "col"  # "col": W [N, K] transposed (nn.Linear); "row": [K, N] contiguous
+    # Extra columns of the buffer an operand is sliced from (its first columns), so that the
+    # operand's row stride, in the layout above, exceeds its width.
+    a_pad: int = 0
+    b_pad: int = 0
+    shape_class: str = ""  # what the planner suites group rows by in their summaries
 
     @property
     def flops(self) -> int:
@@ -85,16 +99,32 @@ class Case:
         """Whether bandwidth, not arithmetic, limits this shape (16-bit operands)."""
         return self.flops <= MEMORY_BOUND_INTENSITY * self.bytes_moved(2)
 
+    def stored(self, operand: str) -> tuple[int, int, int, bool]:
+        """How ``operand`` ("a" or "b") is held: (rows, columns, pad, transposed), where the
+        operand is the first ``columns`` columns of a row-major [rows, columns + pad] buffer,
+        transposed when ``transposed``."""
+        if operand == "a":
+            return (self.m, self.k, self.a_pad, False) if self.a_layout == "row" else (
+                self.k, self.m, self.a_pad, True)
+        return (self.n, self.k, self.b_pad, True) if self.b_layout == "col" else (
+            self.k, self.n, self.b_pad, False)
+
+    @property
+    def display_name(self) -> str:
+        """The name, after the shape class where the case has one."""
+        return f"{self.shape_class} {self.name}" if self.shape_class else self.name
+
     def label(self) -> str:
         """Short human-readable description for progress lines and the summary."""
         if self.suite in ("llama", "decode") or (self.suite == "latency" and self.m == 1):
             return f"{self.suite} {self.name} M={self.m}"
-        return f"{self.suite} {self.name}"
+        return f"{self.suite} {self.display_name}"
 
     def record(self) -> dict[str, object]:
         """The shape as CSV fields."""
         return {"M": self.m, "N": self.n, "K": self.k, "a_layout": self.a_layout,
-                "b_layout": self.b_layout}
+                "b_layout": self.b_layout, "a_pad": self.a_pad, "b_pad": self.b_pad,
+                "class": self.shape_class}
 
 
 def _shape_name(m: int, n: int, k: int) -> str:
@@ -114,8 +144,118 @@ def _llama_cases(suite: str, ms: Sequence[int]) -> list[Case]:
     return [Case(suite, name, m, n, k) for m in ms for name, n, k in LLAMA_LAYERS]
 
 
-def suite_cases(suite: str, quick: bool = False) -> list[Case]:
-    """The mm (or latency) cases of one suite in run order; ``quick`` keeps a few of them."""
+# --- planner suites: named shape classes, and a seeded random sweep -----------------------------
+
+# (M, N, K) shapes of the classes of shapes the planner finds hard, a few of each.
+SHAPE_CLASSES = {
+    # Sizes near 1000: rows 16-byte aligned, but not multiples of 16 elements.
+    "near1000": ((1000, 1000, 1000), (1000, 1024, 1000), (1016, 1000, 1008), (1000, 4096, 1000)),
+    # A grid of 128x128 output tiles just over one wave of an H100's 132 SMs.
+    "overwave": ((1536, 1536, 1536), (1536, 1664, 1536), (1408, 1664, 2048)),
+    "near3000": ((3000, 3000, 3000), (2992, 3008, 3000), (3072, 3000, 3000)),
+    # A 7B model's attention and MLP projections at 32 tokens, and at one.
+    "decode32": ((32, 4096, 4096), (32, 12288, 4096), (32, 4096, 11008)),
+    "decode1": ((1, 4096, 4096), (1, 12288, 4096), (1, 4096, 11008)),
+    "wideN": ((256, 22016, 4096), (256, 28672, 4096)),
+    # K 64 times M and N: few output tiles, each with a long K loop.
+    "deepK": ((256, 256, 16384), (128, 128, 8192), (512, 512, 32768)),
+}
+
+SWEEP_SEED = 0
+SWEEP_COUNT = 400
+QUICK_SWEEP_COUNT = 40
+SWEEP_MAX_SIZE = 16384
+SWEEP_MAX_FLOPS = 2**34  # larger draws are drawn again: one row should take seconds, not minutes
+# The sweep's size classes, by what every size of a shape is a multiple of.
+SIZE_CLASSES = ("mult64", "mult8", "arbitrary")
+# Cumulative probabilities of rounding a drawn size to a multiple of 64, then to 8 * odd (a
+# multiple of 8 but not of 16); the rest stay as drawn.
+MULT64_SHARE, MULT8_SHARE = 0.5, 0.75
+# Share of cases not in nn.Linear's layout: a transposed, b row-major, or a sliced operand.
+OTHER_LAYOUT_SHARE = 0.25
+# Row strides of sliced operands are a multiple of 8 elements (16 bytes at 2 bytes each) for
+# half of them, and 1..7 elements off one for the rest.
+ALIGNED_PAD_SHARE = 0.5
+ALIGN_ELEMENTS = 8
+
+
+def size_class(m: int, n: int, k: int) -> str:
+    """The size class: "mult64" when M, N and K are multiples of 64, "mult8" when of 8, else
+    "arbitrary"."""
+    if all(s % 64 == 0 for s in (m, n, k)):
+        return "mult64"
+    return "mult8" if all(s % 8 == 0 for s in (m, n, k)) else "arbitrary"
+
+
+def _sweep_size(rng: random.Random) -> int:
+    size = round(math.exp(rng.uniform(0.0, math.log(SWEEP_MAX_SIZE))))
+    draw = rng.random()
+    if draw < MULT64_SHARE:
+        return max(64, round(size / 64) * 64)
+    if draw < MULT8_SHARE:
+        return 16 * (min(size, SWEEP_MAX_SIZE - 1) // 16) + 8
+    return size
+
+
+def _sweep_pad(rng: random.Random, columns: int) -> int:
+    """Extra buffer columns for an operand ``columns`` wide: the stride is 16-byte aligned or
+    not, with ALIGNED_PAD_SHARE."""
+    aligned = rng.random() < ALIGNED_PAD_SHARE
+    pad = ALIGN_ELEMENTS * rng.randint(1, 8) + (-columns) % ALIGN_ELEMENTS
+    return pad if aligned else pad + rng.randint(1, ALIGN_ELEMENTS - 1)
+
+
+def _layout_tags(case: Case) -> list[str]:
+    tags = ["a-col"] if case.a_layout == "col" else []
+    tags += ["b-row"] if case.b_layout == "row" else []
+    tags += [f"a-pad{case.a_pad}"] if case.a_pad else []
+    return tags + ([f"b-pad{case.b_pad}"] if case.b_pad else [])
+
+
+def _sweep_case(rng: random.Random) -> Case:
+    while True:
+        m, n, k = (_sweep_size(rng) for _ in range(3))
+        if 2 * m * n * k <= SWEEP_MAX_FLOPS:
+            break
+    case = Case("sweep", "", m, n, k, shape_class=size_class(m, n, k))
+    if rng.random() < OTHER_LAYOUT_SHARE:
+        variant = rng.choice(("a-col", "b-row", "sliced"))
+        if variant == "a-col":
+            case = dataclasses.replace(case, a_layout="col")
+        elif variant == "b-row":
+            case = dataclasses.replace(case, b_layout="row")
+        else:
+            sliced = rng.choice(("a", "b", "ab"))
+            # Both operands are [.., K] buffers in nn.Linear's layout, so the pads widen K.
+            case = dataclasses.replace(case, a_pad=_sweep_pad(rng, k) if "a" in sliced else 0,
+                                       b_pad=_sweep_pad(rng, k) if "b" in sliced else 0)
+    return dataclasses.replace(case, name=" ".join([_shape_name(m, n, k), *_layout_tags(case)]))
+
+
+def sweep_cases(seed: int = SWEEP_SEED, count: int = SWEEP_COUNT) -> list[Case]:
+    """The sweep's ``count`` cases for ``seed``: the same on every machine and run, and the
+    first cases of a longer sweep with the same seed.
+
+    M, N and K are each log-uniform over 1..SWEEP_MAX_SIZE, then rounded to a multiple of 64
+    (half of them), to 8 * odd (a quarter) or left as drawn; shapes over SWEEP_MAX_FLOPS are
+    drawn again. A quarter of the cases get a transposed a, a row-major b, or operands sliced
+    out of wider buffers (row strides aligned to 16 bytes or not)."""
+    rng = random.Random(seed)
+    return [_sweep_case(rng) for _ in range(count)]
+
+
+def sweep_count(quick: bool, count: int | None) -> int:
+    """The number of sweep cases: ``count``, else the full or quick default."""
+    if count is not None:
+        return count
+    return QUICK_SWEEP_COUNT if quick else SWEEP_COUNT
+
+
+def suite_cases(suite: str, quick: bool = False, *, seed: int = SWEEP_SEED,
+                count: int | None = None) -> list[Case]:
+    """The mm (or latency) cases of one suite in run order; ``quick`` keeps a few of them.
+    ``seed`` and ``count`` choose the sweep's shapes (count: SWEEP_COUNT, or QUICK_SWEEP_COUNT
+    with ``quick``)."""
     if suite == "square":
         sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
         return _shape_cases(suite, [(s, s, s) for s in sizes])
@@ -135,6 +275,12 @@ def suite_cases(suite: str, quick: bool = False) -> list[Case]:
         return _shape_cases(suite, _pick(SHALLOW_K_SHAPES, QUICK_SHALLOW_K, quick))
     if suite == "latency":
         return [Case(suite, name, m, n, k) for name, m, n, k in LATENCY_SHAPES]
+    if suite == "classes":
+        return [Case(suite, _shape_name(m, n, k), m, n, k, shape_class=name)
+                for name, shapes in SHAPE_CLASSES.items()
+                for m, n, k in (shapes[:1] if quick else shapes)]
+    if suite == "sweep":
+        return sweep_cases(seed, sweep_count(quick, count))
     raise ValueError(f"{suite!r} is not an mm suite")
 
 
@@ -296,9 +442,12 @@ COLDSTART_RUNS = {"plain": "plain", "override, cold caches": "override",
                   "override, warm caches": "override"}
 
 
-def suite_row_count(suite: str, quick: bool = False) -> int:
-    """Rows one suite reports (per dtype for the mm and latency suites)."""
-    if suite in MM_SUITES or suite == "latency":
+def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -> int:
+    """Rows one suite reports (per dtype for the mm and latency suites); ``count`` is the
+    sweep's (see ``suite_cases``)."""
+    if suite == "sweep":
+        return sweep_count(quick, count)
+    if per_dtype(suite):
         return len(suite_cases(suite, quick))
     if suite == "grouped":
         return len(grouped_cases(quick))
@@ -313,4 +462,4 @@ def suite_row_count(suite: str, quick: bool = False) -> int:
 
 def per_dtype(suite: str) -> bool:
     """Whether a suite runs once per ``--dtypes`` entry (the others have fixed dtypes)."""
-    return suite in MM_SUITES or suite == "latency"
+    return suite in MM_SUITES or suite in PLANNER_SUITES or suite == "latency"
