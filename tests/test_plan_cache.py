@@ -37,8 +37,10 @@ def cache_dir(tmp_path, monkeypatch):
 def _random_plan() -> tuning.MMPlan:
     tile = tuning.MM_TILES[int(torch.randint(len(tuning.MM_TILES), ()))]
     kernel = ("tma", "portable")[int(torch.randint(2, ()))]
-    return tuning.MMPlan(kernel, tile, split_k=int(torch.randint(1, 9, ())),
-                         epilogue_subtile=tuning.epilogue_subtile(tile))
+    stream_k = int(torch.randint(3, ())) if kernel == "tma" else 0
+    return tuning.MMPlan(kernel, tile, split_k=1 if stream_k else int(torch.randint(1, 9, ())),
+                         epilogue_subtile=tuning.epilogue_subtile(tile), stream_k=stream_k,
+                         pad=(None, True, False)[int(torch.randint(3, ()))])
 
 
 def _plan_for(i: int) -> tuning.MMPlan:
@@ -77,6 +79,8 @@ BAD_FILES = {
     "split_k=0": lambda good: _with_entry(good, "split_k", 0),
     "num_warps=-4": lambda good: _with_entry(good, "tile.num_warps", -4),
     "kernel=evil": lambda good: _with_entry(good, "kernel", "evil"),
+    "pad=1": lambda good: _with_entry(good, "pad", 1),
+    "stream_k=-1": lambda good: _with_entry(good, "stream_k", -1),
 }
 
 

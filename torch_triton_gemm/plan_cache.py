@@ -207,8 +207,8 @@ def _dataclass_from_json(cls: type, entry: Any, where: str) -> Any:
         kind = hints[name]
         if dataclasses.is_dataclass(kind):
             value = _dataclass_from_json(kind, value, f"{where}.{name}")
-        elif type(value) is not kind:  # exact: True is no int, 2.0 no int
-            raise ValueError(f"{where}.{name}: {value!r} is not a {kind.__name__}")
+        elif type(value) not in typing.get_args(kind) + (kind,):  # exact: True is no int
+            raise ValueError(f"{where}.{name}: {value!r} is not a {kind}")
         values[name] = value
     return cls(**values)
 
@@ -220,14 +220,15 @@ def _power_of_two(x: int, low: int, high: int) -> bool:
 def _launchable(plan: MMPlan) -> bool:
     """Whether ``plan`` holds values the kernels launch with: a known kernel, power-of-two
     blocks of 16 to 1024 (tl.dot's least size; no larger tile fits an SM), a launch shape a
-    GPU takes, K splits up to tuning's limit (each costs fp32 workspace)."""
+    GPU takes, K splits up to tuning's limit (each costs fp32 workspace), stream-K over at
+    most a few waves."""
     tile = plan.tile
     return (plan.kernel in ("tma", "portable")
             and all(_power_of_two(b, 16, 1024) for b in (tile.block_m, tile.block_n, tile.block_k))
             and tile.group_m >= 1 and _power_of_two(tile.num_warps, 1, 32)
             and 1 <= tile.num_stages <= 16 and 1 <= plan.split_k <= MAX_SPLIT_K
             and _power_of_two(plan.epilogue_subtile, 1, tile.block_n)
-            and plan.programs_per_sm >= 1)
+            and plan.programs_per_sm >= 1 and 0 <= plan.stream_k <= 4)
 
 
 TUNED = TunedPlans()
