@@ -32,6 +32,7 @@ import torch
 from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
+from .ops.launcher import _plain_eager
 from .override import (
     _KERNEL_DEVICE_TYPES,
     Router,
@@ -159,7 +160,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         # them, and its key. Logging routers plan (and log) every call.
         operands = key = None
         if (direct is not None and not router.log and len(args) == direct.arity
-                and _mm_module._plain_eager(*args)
+                and _plain_eager(*args)
                 and (not kwargs or all(type(v) in (int, float, bool) for v in kwargs.values()))):
             operands = direct.operands(args)
             signature = _eager_signature(direct.kind, operands)

@@ -43,21 +43,22 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
 from ._registry import define_triton_op, eager_autograd_function
-from .mm import (
-    _base_aligned,
+from .checks import (
     _check,
     _check_operand_pair,
     _check_value,
     _float32_precision,
     _input_precision,
+)
+from .launcher import (
     _launch,
     _needs_grad,
     _num_sms,
     _plain_eager,
-    _tma_operand,
     memoised_eager_call,
     tensor_key,
 )
+from .operands import _base_aligned, _tma_operand
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = INPUT_DTYPES
@@ -280,7 +281,7 @@ def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
     stride along M, not K; B_K_CONTIGUOUS: b's along K, not N).
 
     TMA needs Hopper, a 16-byte aligned base (for every group, in a 3-D operand), a unit stride
-    in one of the last two dims and 16-byte multiples for the others (ops/mm.py's rules). A TMA
+    in one of the last two dims and 16-byte multiples for the others (operands.py's rules). A TMA
     read must also start on a 16-byte boundary along the contiguous dim, so that dim must not be
     the grouped one (group starts are arbitrary): the MoE layouts (forward, input and weight
     gradients) all qualify; the others take the pointer loaders. Triton's interpreter emulates
@@ -322,7 +323,7 @@ def _pointer_loads(p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...],
 
 def _tma_grouped_operand(t: torch.Tensor, rows: int, cols: int,
                          strides: tuple[int, ...]) -> tuple[bool, int, int] | None:
-    """ops/mm.py's ``_tma_operand`` for one [G, rows, cols] operand (2-D: one group of stride
+    """operands.py's ``_tma_operand`` for one [G, rows, cols] operand (2-D: one group of stride
     0), which also needs every group's base on a 16-byte boundary."""
     if not _base_aligned(t) or strides[0] * t.element_size() % 16 != 0:
         return None
@@ -430,7 +431,7 @@ def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
-# As for tgemm::mm (see mm.memoised_eager_call): checks and launch arithmetic are memoised per
+# As for tgemm::mm (see memoised_eager_call): checks and launch arithmetic are memoised per
 # call signature (shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out
 # dtype, zero_tail, fp32 precision). offs' values are not in it: they are checked (where
 # TORCH_TRITON_GEMM_CHECK_OFFS asks) on every call.

@@ -25,8 +25,9 @@ import torch
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import TABLE_COLUMNS, grouped_mm_list_kernel
+from .checks import _check, _check_value, _input_precision
 from .grouped_mm import INPUT_DTYPES, OUT_DTYPES
-from .mm import _check, _check_value, _input_precision, _num_sms
+from .launcher import _num_sms
 
 _OP = "tgemm::grouped_mm_list"
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)

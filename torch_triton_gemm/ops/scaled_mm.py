@@ -50,16 +50,13 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.scaled import scaled_mm_kernel
 from ._registry import define_triton_op
-from .mm import (
+from .checks import _check, _check_value, _needs_int64_indexing, check_epilogue_args
+from .launcher import (
     GemmScales,
     PreparedLaunch,
-    _check,
-    _check_value,
     _launch,
     _needs_grad,
-    _needs_int64_indexing,
     _plain_eager,
-    check_epilogue_args,
     kept,
     launch_mm,
     memoised_eager_call,
@@ -67,6 +64,7 @@ from .mm import (
     run_launch,
     tensor_key,
 )
+from .planner import plan_mm
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPE = torch.float4_e2m1fn_x2
@@ -313,9 +311,10 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     if M == 0 or N == 0:
         return
     if recipe.scaling in ("outer", "block"):
-        plan = None if tile is None else tuning.MMPlan("portable", tile)
-        launch_mm(a, b, bias, out, "none", traceable, plan=plan,
-                  scales=_gemm_scales(recipe, scale_a, scale_b, use_fast_accum))
+        scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
+        plan = (plan_mm(a, b, bias, out, "none", traceable, scales) if tile is None
+                else tuning.MMPlan("portable", tile))
+        launch_mm(a, b, bias, out, "none", traceable, plan, scales)
         return
     scaling = "micro"
     if native is None:
@@ -351,7 +350,7 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
-# As for tgemm::mm (see mm.memoised_eager_call): an eager call of an fp8 recipe (float32
+# As for tgemm::mm (see memoised_eager_call): an eager call of an fp8 recipe (float32
 # scales) memoises its checks and launch per call signature, which fixes everything they depend
 # on: shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out dtype, the
 # accumulation mode. The microscaled recipes launch their own kernel on every call.
@@ -380,7 +379,8 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.
         if out.numel() == 0:
             return out, None
         scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
-        return out, kept(prepare_launch(a, b, bias, out, "none", False, None, scales))
+        plan = plan_mm(a, b, bias, out, "none", False, scales)
+        return out, kept(prepare_launch(a, b, bias, out, "none", False, plan, scales))
 
     signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
     out, prepared = memoised_eager_call(signature, first_call, a)
