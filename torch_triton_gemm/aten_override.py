@@ -5,7 +5,7 @@
 ``out=`` forms), ``_grouped_mm`` and ``_scaled_mm`` (and its ``out=`` form) with PyTorch's
 dispatcher. Every caller then reaches tgemm: ``torch.einsum``, C++ code paths, the autograd
 formulas of other ops, other libraries' ops, and the aten calls that compiled code makes. Each
-kernel plans the call with the same planners as the Python-level mode (override.py); what tgemm
+kernel plans the call with the same planners as the Python-level mode (routing.py); what tgemm
 cannot serve exactly goes to the kernel that was registered before, taken with
 ``torch.library.get_kernel``.
 
@@ -33,7 +33,7 @@ from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
 from .ops.launcher import _plain_eager
-from .override import (
+from .routing import (
     _KERNEL_DEVICE_TYPES,
     Router,
     _plan_addmm,
@@ -47,7 +47,7 @@ from .override import (
 
 class _AtenOp(NamedTuple):
     name: str  # the aten overload, as torch.library names it
-    planner: Callable[..., Any]  # override.py's planner for its arguments
+    planner: Callable[..., Any]  # routing.py's planner for its arguments
     # For out= forms: where the out tensor's dtype must come from (a positional index of a
     # GEMM operand, or a keyword naming the out dtype), else None.
     out_dtype_from: int | str | None = None
