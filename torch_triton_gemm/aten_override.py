@@ -32,7 +32,7 @@ import torch
 from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
-from .ops.launcher import _plain_eager
+from .ops.launcher import plain_eager
 from .routing import (
     _KERNEL_DEVICE_TYPES,
     Router,
@@ -125,8 +125,8 @@ _ROUTED_CALLS_LIMIT = 4096
 
 def _eager_signature(kind: str, operands: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
     if kind == "mm":
-        return _mm_module._eager_signature(*operands, "none", None)
-    return _grouped_module._eager_signature(*operands, None, None, None, False)
+        return _mm_module.mm_eager_signature(*operands, "none", None)
+    return _grouped_module.grouped_eager_signature(*operands, None, None, None, False)
 
 
 def _is_direct(plan: Any, kind: str, operands: tuple[torch.Tensor | None, ...]) -> bool:
@@ -142,7 +142,7 @@ def _run_direct(kind: str, operands: tuple[torch.Tensor | None, ...],
     """The direct call, on its eager path (no autograd: below it already), with the eager
     signature the route was looked up by."""
     if kind == "mm":
-        return _mm_module._eager_allocate_and_launch(*operands, "none", None, signature)
+        return _mm_module.mm_eager_call(*operands, "none", None, signature)
     return _grouped_module.grouped_eager_call(*operands, None, None, None, False, signature)
 
 
@@ -160,7 +160,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         # them, and its key. Logging routers plan (and log) every call.
         operands = key = None
         if (direct is not None and not router.log and len(args) == direct.arity
-                and _plain_eager(*args)
+                and plain_eager(*args)
                 and (not kwargs or all(type(v) in (int, float, bool) for v in kwargs.values()))):
             operands = direct.operands(args)
             signature = _eager_signature(direct.kind, operands)

@@ -22,9 +22,9 @@ import torch
 
 from . import device as _device
 from . import tuning
-from .ops.checks import _check, default_out_dtype
+from .ops.checks import check, default_out_dtype
 from .ops.launcher import launch_mm
-from .ops.operands import _layout_key, kernel_operands
+from .ops.operands import kernel_operands, layout_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.float8_e4m3fn}
@@ -51,8 +51,8 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     table and return it with all timings (fastest first). ``a``, ``b`` and ``bias`` must be
     valid tgemm::mm operands: tuning times the kernels as the op launches them."""
     device = a.device
-    _check(device.type == "cuda" and not _device.interpreter_enabled(),
-           lambda: "tgemm.tune: tuning times kernels on a CUDA GPU")
+    check(device.type == "cuda" and not _device.interpreter_enabled(),
+          lambda: "tgemm.tune: tuning times kernels on a CUDA GPU")
     M, K = a.shape
     N = b.shape[1]
     out = a.new_empty((M, N), dtype=default_out_dtype(a.dtype))
@@ -72,9 +72,9 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         except Exception:  # noqa: BLE001 - a candidate that cannot run is not a candidate
             timings.append(Timing(plan, None))
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
-    _check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
+    check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
     best = timed[0].plan
-    key = tuning.plan_key(M, N, K, a.dtype, _layout_key(stride_ak, stride_bk), tma)
+    key = tuning.plan_key(M, N, K, a.dtype, layout_key(stride_ak, stride_bk), tma)
     tuning.TUNED.put(device, key, best)
     return best, timed + [t for t in timings if t.ms is None]
 

@@ -20,7 +20,7 @@ from torch.library import wrap_triton
 from .. import device as _device
 from .. import tuning
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
-from .checks import _check, _input_precision, _needs_int64_indexing
+from .checks import check, input_precision, needs_int64_indexing
 from .operands import Pad, kernel_operands
 
 
@@ -57,8 +57,9 @@ class PreparedLaunch(NamedTuple):
     compiled: tuple[dict[Any, Any], ...] = ()
 
 
-def _num_sms(device: torch.device) -> int:
-    # The interpreter runs programs one after another: a few persistent programs suffice there.
+def num_sms(device: torch.device) -> int:
+    """The SMs that persistent grids and split decisions count on ``device``. The interpreter
+    runs programs one after another: a few persistent programs suffice there."""
     return _device.num_sms(device) if device.type == "cuda" else 4
 
 
@@ -75,7 +76,7 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     be described for TMA.
     """
     error = _device.kernel_device_error(a.device)
-    _check(error is None, lambda: f"tgemm::mm: {error}")
+    check(error is None, lambda: f"tgemm::mm: {error}")
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     prepared = prepare_launch(a, b, bias, out, activation, traceable, plan, scales)
@@ -109,16 +110,16 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         split_k, k_per_split = 1, K
     tile = plan.tile
     tiles = tuning.output_tiles(M, N, tile)
-    programs = _num_sms(device) * plan.programs_per_sm  # of the persistent kernel
+    programs = num_sms(device) * plan.programs_per_sm  # of the persistent kernel
     sk_tiles = 0
     if plan.stream_k and plan.kernel == "tma" and split_k == 1:
         sk_tiles = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
-    whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, _num_sms(device))
+    whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, num_sms(device))
     split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
-    index_64 = _needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
-                                      (M, N, stride_cm, stride_cn),
-                                      (max(split_units, programs) * tile.block_m, tile.block_n,
-                                       tile.block_n, 1)))
+    index_64 = needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
+                                     (M, N, stride_cm, stride_cn),
+                                     (max(split_units, programs) * tile.block_m, tile.block_n,
+                                      tile.block_n, 1)))
     stride_bias = bias.stride(0) if bias is not None else 0
     if scales is None:
         scale_strides, scaling = _NO_SCALES
@@ -138,7 +139,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         # scale_b), in the kernels' shared order; the plan's meta-parameters come after them.
         runtime_args = (
             M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
-            first_tile, units, sk_tiles, bias is not None, activation, _input_precision(a.dtype),
+            first_tile, units, sk_tiles, bias is not None, activation, input_precision(a.dtype),
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0)
@@ -156,7 +157,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if split_k > 1:
         launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
         block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
-                                                         tile.block_n, _num_sms(device))
+                                                         tile.block_n, num_sms(device))
         blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
         reduce = (
             ((tiles - whole_tiles) * blocks,),
@@ -195,18 +196,18 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
         locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
-        _launch(prepared.kernel, grid,
-                (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
-                traceable,
-                cache)
+        launch_kernel(prepared.kernel, grid,
+                      (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
+                      traceable,
+                      cache)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
-        _launch(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
-                traceable, caches[-1])
+        launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
+                      traceable, caches[-1])
 
 
-def _launch(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
-            traceable: bool, compiled: dict[int, Any] | None = None) -> None:
+def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
+                  traceable: bool, compiled: dict[int, Any] | None = None) -> None:
     """Launch ``kernel``: through wrap_triton where tracing may see it, else directly; with
     ``compiled`` (a memoised eager launch's cache), through its compiled kernel
     (_launch_compiled)."""
@@ -226,7 +227,7 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
     """Launch a memoised eager launch through the kernel Triton compiled for it; False where the
     caller must launch through Triton's JIT.
 
-    The launch's memo key (each op's ``_eager_signature``) fixes everything Triton specialises
+    The launch's memo key (each op's eager signature) fixes everything Triton specialises
     on: every argument but the tensors, and of the tensors their dtypes and 16-byte alignment
     (inputs by ``tensor_key``, outputs and workspaces by being fresh allocations). So one compiled
     kernel per device serves every call with that key. Launching it directly skips the JIT's
@@ -319,7 +320,7 @@ def memoised_eager_call(signature: tuple[Any, ...],
     return torch.empty_strided(shape, strides, dtype=dtype, device=like.device), prepared
 
 
-def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
     """True for a call no PyTorch subsystem needs to see as an op: no tracing, compile, modes or
     tensor subclasses. Such calls skip the dispatcher (autograd still applies, through the op's
     eager autograd function, as ``_EagerMM`` in ops/mm.py), whose Python custom-op path costs
@@ -338,7 +339,8 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record a call on these tensors (None entries are skipped)."""
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and t.requires_grad for t in tensors)

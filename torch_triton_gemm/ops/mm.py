@@ -31,20 +31,20 @@ from .. import tuning
 from ..kernels.tiles import ACTIVATIONS
 from ._registry import define_triton_op, eager_autograd_function
 from .checks import (
-    _FP8_DTYPES,
-    _check,
-    _check_operand_pair,
-    _check_value,
-    _float32_precision,
+    FP8_DTYPES,
+    check,
     check_epilogue_args,
+    check_operand_pair,
+    check_value,
     default_out_dtype,
+    float32_precision,
 )
 from .launcher import (
     PreparedLaunch,
-    _needs_grad,
-    _plain_eager,
     kept,
     memoised_eager_call,
+    needs_grad,
+    plain_eager,
     prepare_launch,
     run_launch,
     tensor_key,
@@ -60,26 +60,26 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3f
 def _check_inputs(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
                   out_dtype: torch.dtype | None) -> torch.dtype:
     """Validate the arguments (also under FakeTensor and symbolic shapes); return the out dtype."""
-    _check(
+    check(
         a.dim() == 2,
         lambda: f"tgemm::mm: a must be 2-D [M, K], got {a.dim()}-D of shape {tuple(a.shape)}")
-    _check(
+    check(
         b.dim() == 2,
         lambda: f"tgemm::mm: b must be 2-D [K, N], got {b.dim()}-D of shape {tuple(b.shape)}")
-    _check(
+    check(
         a.shape[1] == b.shape[0],
         lambda: f"tgemm::mm: a has {a.shape[1]} columns but b has {b.shape[0]} rows "
                 f"(a is {tuple(a.shape)}, b is {tuple(b.shape)})")
-    _check_operand_pair("tgemm::mm", a, b, INPUT_DTYPES)
-    _check_value(
+    check_operand_pair("tgemm::mm", a, b, INPUT_DTYPES)
+    check_value(
         activation in ACTIVATIONS,
         lambda: f"tgemm::mm: unknown activation {activation!r}; choose one of {ACTIVATIONS}")
     if out_dtype is None:
         out_dtype = default_out_dtype(a.dtype)
     check_epilogue_args("tgemm::mm", out_dtype, bias, b.shape[1])
     if bias is not None:
-        _check(bias.device == a.device,
-               lambda: f"tgemm::mm: bias is on {bias.device} but a is on {a.device}")
+        check(bias.device == a.device,
+              lambda: f"tgemm::mm: bias is on {bias.device} but a is on {a.device}")
     return out_dtype
 
 
@@ -101,7 +101,7 @@ def _mm_eager(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
               activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The op body for eager calls on real tensors: the kernels launched without wrap_triton,
     checks and launch arithmetic memoised per call signature."""
-    return _eager_allocate_and_launch(a, b, bias, activation, out_dtype)
+    return mm_eager_call(a, b, bias, activation, out_dtype)
 
 
 def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -119,28 +119,29 @@ def _prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     """The launch of a checked call writing into ``out``, on the planner's plan; None where
     the product is empty."""
     error = _device.kernel_device_error(a.device)
-    _check(error is None, lambda: f"tgemm::mm: {error}")
+    check(error is None, lambda: f"tgemm::mm: {error}")
     if a.shape[0] == 0 or b.shape[1] == 0:
         return None
     plan = plan_mm(a, b, bias, out, activation, traceable)
     return prepare_launch(a, b, bias, out, activation, traceable, plan, None)
 
 
-def _eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                     activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
+def mm_eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
+    """The memo key of a plain eager call (see memoised_eager_call)."""
     return (tensor_key(a), tensor_key(b), tensor_key(bias), activation, out_dtype,
-            _float32_precision(), tuning.TUNED.version)
+            float32_precision(), tuning.TUNED.version)
 
 
-def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                               activation: str, out_dtype: torch.dtype | None,
-                               signature: tuple[Any, ...] | None = None) -> torch.Tensor:
-    """A plain eager call (see _plain_eager) without autograd; ``signature``, when the caller
-    has it, is this call's ``_eager_signature``."""
+def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                  activation: str, out_dtype: torch.dtype | None,
+                  signature: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """A plain eager call (see plain_eager) without autograd; ``signature``, when the caller
+    has it, is this call's ``mm_eager_signature``."""
     if tuning.forced_plan() is not None:
         return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
     if signature is None:
-        signature = _eager_signature(a, b, bias, activation, out_dtype)
+        signature = mm_eager_signature(a, b, bias, activation, out_dtype)
 
     def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
         out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
@@ -166,8 +167,8 @@ mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake, eager_impl=_mm_eager)
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     a, b, bias, activation, _ = inputs
-    _check(
-        a.dtype not in _FP8_DTYPES or not (a.requires_grad or b.requires_grad),
+    check(
+        a.dtype not in FP8_DTYPES or not (a.requires_grad or b.requires_grad),
         lambda: f"tgemm::mm: {a.dtype} inputs have no gradient; keep fp8 operands out of autograd")
     ctx.activation = activation
     ctx.has_bias = bias is not None
@@ -256,8 +257,8 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
-    if _plain_eager(a, b, bias):
-        if _needs_grad(a, b, bias):
+    if plain_eager(a, b, bias):
+        if needs_grad(a, b, bias):
             return _EagerMM.apply(a, b, bias, activation, out_dtype)
-        return _eager_allocate_and_launch(a, b, bias, activation, out_dtype)
+        return mm_eager_call(a, b, bias, activation, out_dtype)
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)

@@ -17,7 +17,8 @@ from .. import device as _device
 # A TMA descriptor needs a 16-byte aligned base, a unit stride in its last dimension and the other
 # stride a multiple of 16 bytes. Operands that miss this run on the portable kernel.
 
-def _base_aligned(t: torch.Tensor) -> bool:
+def base_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts on a 16-byte boundary."""
     try:
         return t.data_ptr() % 16 == 0
     except RuntimeError:  # FakeTensor / functional tensor while tracing: storages are aligned
@@ -25,8 +26,8 @@ def _base_aligned(t: torch.Tensor) -> bool:
         return type(offset) is int and offset * t.element_size() % 16 == 0
 
 
-def _tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,
-                 element_size: int) -> tuple[bool, int, int] | None:
+def tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,
+                element_size: int) -> tuple[bool, int, int] | None:
     """(rows contiguous?, stride of rows, stride of columns) as the TMA kernel should see a
     [rows, cols] operand, or None when TMA cannot describe it. A dimension of size 1 has no
     meaningful stride: it gets one that satisfies the rules."""
@@ -57,11 +58,11 @@ def _tma_arguments(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     descs = []
     for t, pad, rows, cols in ((a, pads[0], M, K), (b, pads[1], K, N)):
         if pad is None:
-            if not _base_aligned(t):
+            if not base_aligned(t):
                 return None
-            descs.append(_tma_operand(rows, cols, *t.stride(), size))
+            descs.append(tma_operand(rows, cols, *t.stride(), size))
         else:
-            descs.append(_tma_operand(rows, cols, *pad.strides(), size))
+            descs.append(tma_operand(rows, cols, *pad.strides(), size))
     a_desc, b_desc = descs
     if a_desc is None or b_desc is None:
         return None
@@ -133,7 +134,7 @@ def _pads(a: torch.Tensor, b: torch.Tensor) -> tuple[Pad | None, Pad | None]:
 
     def pad(t: torch.Tensor) -> Pad | None:
         rows, cols = t.shape
-        if _base_aligned(t) and _tma_operand(rows, cols, *t.stride(), size) is not None:
+        if base_aligned(t) and tma_operand(rows, cols, *t.stride(), size) is not None:
             return None
         columns = t.stride(0) == 1 and t.stride(1) != 1  # keep a column-major operand so
         inner = rows if columns else cols
@@ -143,6 +144,7 @@ def _pads(a: torch.Tensor, b: torch.Tensor) -> tuple[Pad | None, Pad | None]:
     return pad(a), pad(b)
 
 
-def _layout_key(stride_ak: int, stride_bk: int) -> int:
-    # Whether each operand is contiguous along K; the best tile differs between layouts.
+def layout_key(stride_ak: int, stride_bk: int) -> int:
+    """Whether each operand is contiguous along K, as one key (2 for a, 1 for b): the best tile
+    differs between layouts, so plans are memoised and tuned per layout."""
     return 2 * int(stride_ak == 1) + int(stride_bk == 1)

@@ -14,8 +14,8 @@ import torch
 
 from .. import device as _device
 from .. import tuning
-from .launcher import GemmScales, _num_sms
-from .operands import _layout_key, kernel_operands
+from .launcher import GemmScales, num_sms
+from .operands import kernel_operands, layout_key
 
 
 def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -29,7 +29,7 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
     tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
-    return _plan(a, b, bias, activation, out.element_size(), _layout_key(stride_ak, stride_bk),
+    return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales)
 
 
@@ -59,7 +59,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
 
             return tune_mm(a, b, bias, activation)[0]
     if plan is None:
-        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, _num_sms(device),
+        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
                                         scaling=scaling, fast_accum=fast_accum)
     if len(_PLANS) >= _PLANS_LIMIT:
