@@ -1,8 +1,9 @@
-"""Argument checks and per-call facts that the ops share, beneath ops/ and above nothing.
+"""Argument checks and per-call facts that the ops share: the bottom of ops/, plain torch.
 
 Each op (ops/mm.py, grouped_mm.py, scaled_mm.py, grouped_mm_list.py) checks its own contract
-with these helpers; the launcher reads the facts (int64 indexing, fp32 precision) when it works
-out a launch. Plain torch: no plan, no kernel.
+with these helpers, and tuning its device; the launcher and the ops' eager paths read the facts
+(int64 indexing, tl.dot's input precision, fp32 matmul precision, the default out dtype). No
+plan, no kernel, no import from the package.
 """
 
 from __future__ import annotations

@@ -126,6 +126,9 @@ def _prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return prepare_launch(a, b, bias, out, activation, traceable, plan, None)
 
 
+# --- plain eager calls ----------------------------------------------------------------------------
+# Checks, plan and launch arithmetic memoised per call signature (see memoised_eager_call).
+
 def mm_eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                        activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
     """The memo key of a plain eager call (see memoised_eager_call)."""

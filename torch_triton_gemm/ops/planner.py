@@ -1,9 +1,11 @@
-"""The planner: which plan a tgemm::mm GEMM launch runs (tile, kernel, split-K).
+"""The planner: which plan a GEMM launch of tgemm::mm's kernels runs (kernel, tile, split-K),
+for tgemm::mm and the fp8 recipes of tgemm::scaled_mm.
 
-Data flow: ops -> planner -> launcher -> kernels. The planner's decisions are pure functions of
-shapes, strides, dtypes and device properties (a forced plan, the tuned table, the heuristic;
-tuning on first use where TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it), memoised per shape. It
-launches nothing: the ops hand its plan to the launcher.
+Data flow: ops -> planner -> launcher -> kernels. A plan is a function of shapes, strides,
+dtypes and device properties: a forced plan, else the tuned table's, else the heuristic's,
+memoised per shape. The planner launches nothing: the ops hand its plan to the launcher. Where
+TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, it runs tune.py on first use, which times explicit
+plans through the launcher and never asks the planner (no import cycle).
 """
 
 from __future__ import annotations
