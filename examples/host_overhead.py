@@ -95,7 +95,7 @@ def main() -> None:
     if not GPU:
         if tg.device.interpreter_enabled():
             raise SystemExit("unset TRITON_INTERPRET: the interpreter's launches would dominate")
-        mm_module.launch_mm = lambda *a, **k: None  # no GPU: time everything but the launch
+        mm_module.run_launch = lambda *a, **k: None  # no GPU: time everything but the launch
         print("no GPU: kernel launches replaced by a no-op\n")
     # The same op body, registered without eager kernels: what a bare triton_op costs.
     bare = define_triton_op("tgemm_host_overhead::mm", mm_module._mm_impl, mm_module._mm_fake)

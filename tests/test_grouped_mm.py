@@ -384,7 +384,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32):
     offs values of the same shape, another size, bad offs after good ones of the same
     signature (still checked on every call where checking is on), through tg.grouped_mm,
     torch.ops and the gradient path alike."""
-    from torch_triton_gemm.ops import mm as mm_module
+    from torch_triton_gemm.ops import launcher
 
     dtype = torch.float16
     for form in ("m", "k"):
@@ -406,7 +406,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32):
         for _ in range(2):
             with pytest.raises(ValueError, match="offs must be non-decreasing"):
                 tg.grouped_mm(s.a, s.b, bad)
-    keys = [key for key in mm_module._EAGER_LAUNCHES if key[0] == "tgemm::grouped_mm"]
+    keys = [key for key in launcher._EAGER_LAUNCHES if key[0] == "tgemm::grouped_mm"]
     assert len(keys) >= 3
 
 

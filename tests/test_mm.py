@@ -34,7 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm.ops import mm as mm_module
-from torch_triton_gemm.ops.mm import launch_mm
+from torch_triton_gemm.ops.launcher import launch_mm
+from torch_triton_gemm.ops.planner import plan_mm
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, *FP8]
 ACTIVATIONS = ["none", "relu", "gelu", "silu", "leaky_relu"]
@@ -68,7 +69,8 @@ def test_matches_float64_reference(device, dtype, highest_fp32):
         assert torch.equal(torch.ops.tgemm.mm(*s.args()), out), s.name
         # The same launch into a NaN-filled buffer: every element must be written.
         poisoned = _poisoned(tuple(ref.shape), out_dtype, device)
-        launch_mm(s.a, s.b, s.bias, poisoned, s.activation)
+        plan = plan_mm(s.a, s.b, s.bias, poisoned, s.activation, True)
+        launch_mm(s.a, s.b, s.bias, poisoned, s.activation, True, plan)
         assert rel_error(poisoned, ref) <= tolerance(out_dtype, dtype), s.name
 
 

@@ -350,7 +350,7 @@ def test_batched_gradients_match_float64(case, highest_fp32):
 def test_batched_flatten_copies_only_when_forced(monkeypatch, highest_fp32):
     # b [B, H, K, N] flattens to [B * H, K, N] as a view; a [B, 1, M, K] broadcast over H cannot
     # merge its batch strides, so only a is copied (by reshape).
-    module = sys.modules["torch_triton_gemm.override"]
+    module = sys.modules["torch_triton_gemm.routing"]
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     real = module._tgemm_grouped
 

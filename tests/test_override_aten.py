@@ -1,7 +1,7 @@
 """override(level="aten"): tgemm's kernels stand in for aten's GEMM kernels while it is open.
 
 Runs where tgemm runs: CUDA, or CPU under TRITON_INTERPRET=1 (CI). The routing decisions are
-override.py's planners, tested in test_override.py; these tests check what only the aten level
+routing.py's planners, tested in test_override.py; these tests check what only the aten level
 does: callers below Python (einsum, aten's own formulas, C++ paths, compiled code) are routed,
 out= forms, process-wide scope, and that what it declines reaches the kernels registered before.
 """

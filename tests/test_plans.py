@@ -19,7 +19,8 @@ from samples import FP8, make_operand, randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import plan_cache, tuning
-from torch_triton_gemm.ops.mm import launch_mm
+from torch_triton_gemm.ops import launcher, operands, planner
+from torch_triton_gemm.ops.launcher import launch_mm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,21 +124,20 @@ def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(devic
     views with unaligned bases, stride-0 broadcasts: above PAD_MIN_SIZE the heuristic's TMA
     plan runs on padded copies (the sizes here are CI-sized: the threshold is lowered), with
     the bias, the activation and the gradients right."""
-    from torch_triton_gemm.ops import mm as mmod
-
-    monkeypatch.setattr(mmod._device, "supports_tma", lambda device: True)
-    monkeypatch.setattr(mmod, "PAD_MIN_SIZE", 0)
-    monkeypatch.setattr(mmod, "PAD_MIN_SIDE", 0)
+    monkeypatch.setattr(operands._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(operands, "PAD_MIN_SIZE", 0)
+    monkeypatch.setattr(operands, "PAD_MIN_SIDE", 0)
     monkeypatch.setattr(tuning, "heuristic_mm_plan", lambda *args, **kwargs: PLANS[plan])
-    monkeypatch.setattr(mmod, "_PLANS", {})
-    monkeypatch.setattr(mmod, "_EAGER_LAUNCHES", {})
+    monkeypatch.setattr(planner, "_PLANS", {})
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
     a = make_operand(33, 37, torch.bfloat16, device, layout, "a").requires_grad_()
     b = make_operand(37, 45, torch.bfloat16, device, layout, "b").requires_grad_()
     bias = randn((45,), torch.bfloat16, device)
     out = a.new_empty((33, 45))
-    prepared = mmod.prepare_launch(a.detach(), b.detach(), bias, out, "leaky_relu", False,
-                                   None, None)
-    kernel = mmod.mm_tma_kernel if plan == "tma" else mmod.mm_kernel
+    chosen = planner.plan_mm(a.detach(), b.detach(), bias, out, "leaky_relu", False)
+    prepared = launcher.prepare_launch(a.detach(), b.detach(), bias, out, "leaky_relu", False,
+                                       chosen, None)
+    kernel = launcher.mm_tma_kernel if plan == "tma" else launcher.mm_kernel
     assert prepared.kernel is kernel and prepared.pads is not None
     result = tg.mm(a, b, bias, "leaky_relu")
     ref = reference(a.detach(), b.detach(), bias, "leaky_relu")
@@ -150,15 +150,14 @@ def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(devic
 
 
 def test_small_products_and_forced_plans_read_unaligned_operands_in_place(device, monkeypatch):
-    from torch_triton_gemm.ops import mm as mmod
-
-    monkeypatch.setattr(mmod._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(operands._device, "supports_tma", lambda device: True)
     a = randn((33, 37), torch.bfloat16, device)
     b = randn((45, 37), torch.bfloat16, device).t()
     out = a.new_empty((33, 45))
-    small = mmod.prepare_launch(a, b, None, out, "none", False, None, None)
-    forced = mmod.prepare_launch(a, b, None, out, "none", False, PLANS["tma"], None)
-    assert small.pads is None and forced.pads is None and forced.kernel is mmod.mm_kernel
+    chosen = planner.plan_mm(a, b, None, out, "none", False)
+    small = launcher.prepare_launch(a, b, None, out, "none", False, chosen, None)
+    forced = launcher.prepare_launch(a, b, None, out, "none", False, PLANS["tma"], None)
+    assert small.pads is None and forced.pads is None and forced.kernel is launcher.mm_kernel
 
 
 # --- plan arithmetic ------------------------------------------------------------------------------
@@ -357,8 +356,6 @@ def test_a_second_process_reuses_tuned_plans_without_tuning(tmp_path):
 def test_eager_launches_memoised_per_signature_stay_right(device):
     """Eager calls reuse checks and launch arithmetic per call signature: fresh values, another
     alignment, another size and bad input after a good call all still give the right answer."""
-    from torch_triton_gemm.ops import mm as mm_module
-
     w = randn((48, 40), torch.float16, device)
     for _ in range(3):
         x = randn((21, 40), torch.float16, device)
@@ -371,7 +368,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device):
     for _ in range(2):
         with pytest.raises(RuntimeError, match="columns but b has"):
             tg.mm(randn((21, 41), torch.float16, device), w.t())
-    assert len(mm_module._EAGER_LAUNCHES) >= 3
+    assert len(launcher._EAGER_LAUNCHES) >= 3
 
 
 def test_tma_allocator_reaches_threads_that_never_set_one():
@@ -499,8 +496,7 @@ def test_stream_k_plans_launch_once_with_a_flag_per_program(device):
     """A stream-K plan is one launch of every persistent program (no reduction kernel), with a
     partial tile and a flag per program; where the waves come out even it runs as a plain
     persistent launch."""
-    from torch_triton_gemm.ops.mm import prepare_launch
-
+    prepare_launch = launcher.prepare_launch
     a = randn((37, 104), torch.float16, device)
     b = randn((45, 104), torch.float16, device).t()  # rows of 90 bytes would need pointers
     out = torch.empty((37, 45), dtype=torch.float16, device=device)

@@ -290,7 +290,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device):
     """Eager calls of the fp8 recipes reuse checks and launch arithmetic per call signature:
     fresh values and scales, another recipe on the same operands, scales at another alignment,
     another size, bad input after a good call, through tg.scaled_mm and torch.ops alike."""
-    from torch_triton_gemm.ops import mm as mm_module
+    from torch_triton_gemm.ops import launcher
 
     def check(a, b, sa, sb, recipe, bias=None, op=tg.scaled_mm):
         out = op(a, b, sa, sb, bias, torch.float32)
@@ -309,7 +309,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device):
     for _ in range(2):
         with pytest.raises(RuntimeError, match="fit no recipe"):
             tg.scaled_mm(a, b, sa[:20], sb)
-    keys = [key for key in mm_module._EAGER_LAUNCHES if key[0] == "tgemm::scaled_mm"]
+    keys = [key for key in launcher._EAGER_LAUNCHES if key[0] == "tgemm::scaled_mm"]
     assert len(keys) >= 6
 
 

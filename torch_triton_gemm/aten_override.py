@@ -5,7 +5,7 @@
 ``out=`` forms), ``_grouped_mm`` and ``_scaled_mm`` (and its ``out=`` form) with PyTorch's
 dispatcher. Every caller then reaches tgemm: ``torch.einsum``, C++ code paths, the autograd
 formulas of other ops, other libraries' ops, and the aten calls that compiled code makes. Each
-kernel plans the call with the same planners as the Python-level mode (override.py); what tgemm
+kernel plans the call with the same planners as the Python-level mode (routing.py); what tgemm
 cannot serve exactly goes to the kernel that was registered before, taken with
 ``torch.library.get_kernel``.
 
@@ -32,7 +32,8 @@ import torch
 from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
-from .override import (
+from .ops.launcher import plain_eager
+from .routing import (
     _KERNEL_DEVICE_TYPES,
     Router,
     _plan_addmm,
@@ -46,7 +47,7 @@ from .override import (
 
 class _AtenOp(NamedTuple):
     name: str  # the aten overload, as torch.library names it
-    planner: Callable[..., Any]  # override.py's planner for its arguments
+    planner: Callable[..., Any]  # routing.py's planner for its arguments
     # For out= forms: where the out tensor's dtype must come from (a positional index of a
     # GEMM operand, or a keyword naming the out dtype), else None.
     out_dtype_from: int | str | None = None
@@ -124,8 +125,8 @@ _ROUTED_CALLS_LIMIT = 4096
 
 def _eager_signature(kind: str, operands: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
     if kind == "mm":
-        return _mm_module._eager_signature(*operands, "none", None)
-    return _grouped_module._eager_signature(*operands, None, None, None, False)
+        return _mm_module.mm_eager_signature(*operands, "none", None)
+    return _grouped_module.grouped_eager_signature(*operands, None, None, None, False)
 
 
 def _is_direct(plan: Any, kind: str, operands: tuple[torch.Tensor | None, ...]) -> bool:
@@ -141,7 +142,7 @@ def _run_direct(kind: str, operands: tuple[torch.Tensor | None, ...],
     """The direct call, on its eager path (no autograd: below it already), with the eager
     signature the route was looked up by."""
     if kind == "mm":
-        return _mm_module._eager_allocate_and_launch(*operands, "none", None, signature)
+        return _mm_module.mm_eager_call(*operands, "none", None, signature)
     return _grouped_module.grouped_eager_call(*operands, None, None, None, False, signature)
 
 
@@ -159,7 +160,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         # them, and its key. Logging routers plan (and log) every call.
         operands = key = None
         if (direct is not None and not router.log and len(args) == direct.arity
-                and _mm_module._plain_eager(*args)
+                and plain_eager(*args)
                 and (not kwargs or all(type(v) in (int, float, bool) for v in kwargs.values()))):
             operands = direct.operands(args)
             signature = _eager_signature(direct.kind, operands)

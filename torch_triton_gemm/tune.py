@@ -23,7 +23,9 @@ import torch
 
 from . import device as _device
 from . import plan_cache, tuning
-from .ops import mm as _mm
+from .ops.checks import check, default_out_dtype
+from .ops.launcher import launch_mm
+from .ops.operands import kernel_operands, layout_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.float8_e4m3fn}
@@ -47,21 +49,22 @@ def _time_ms(fn, rep_ms: int) -> float:  # type: ignore[no-untyped-def]
 def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
             activation: str = "none", rep_ms: int = 20) -> tuple[tuning.MMPlan, list[Timing]]:
     """Time every candidate plan for ``a @ b`` on these tensors, store the fastest in the tuned
-    table and return it with all timings (fastest first)."""
+    table and return it with all timings (fastest first). ``a``, ``b`` and ``bias`` must be
+    valid tgemm::mm operands: tuning times the kernels as the op launches them."""
     device = a.device
-    _mm._check(device.type == "cuda" and not _device.interpreter_enabled(),
-               lambda: "tgemm.tune: tuning times kernels on a CUDA GPU")
-    out = _mm._mm_fake(a, b, bias, activation, None)
+    check(device.type == "cuda" and not _device.interpreter_enabled(),
+          lambda: "tgemm.tune: tuning times kernels on a CUDA GPU")
     M, K = a.shape
     N = b.shape[1]
+    out = a.new_empty((M, N), dtype=default_out_dtype(a.dtype))
     # The operands as the kernels will see them (padded copies included), as the op plans.
-    tma_args, _, (_, stride_ak, stride_bk, _) = _mm.kernel_operands(a, b, out)
+    tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
     tma = tma_args is not None and _device.supports_tma(device)
     timings = []
     for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
                                        a_k_contiguous=stride_ak == 1):
         def run(plan: tuning.MMPlan = plan) -> None:
-            _mm.launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
+            launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 
         try:
             run()
@@ -70,9 +73,9 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         except Exception:  # noqa: BLE001 - a candidate that cannot run is not a candidate
             timings.append(Timing(plan, None))
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
-    _mm._check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
+    check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
     best = timed[0].plan
-    key = plan_cache.plan_key(M, N, K, a.dtype, _mm._layout_key(stride_ak, stride_bk), tma)
+    key = plan_cache.plan_key(M, N, K, a.dtype, layout_key(stride_ak, stride_bk), tma)
     plan_cache.TUNED.put(device, key, best)
     return best, timed + [t for t in timings if t.ms is None]
 

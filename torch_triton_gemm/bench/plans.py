@@ -57,16 +57,18 @@ def _operands(case: Case, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def _aligned(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
-    from ..ops.mm import kernel_operands
+    from ..ops.operands import kernel_operands
 
     return kernel_operands(a, b, out, pad=False)[0] is not None
 
 
 def chosen_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.MMPlan:
     """The plan tgemm.mm launches for these operands (as this revision's planner picks it)."""
-    from ..ops.mm import prepare_launch
+    from ..ops.launcher import prepare_launch
+    from ..ops.planner import plan_mm
 
-    return prepare_launch(a, b, None, out, "none", False, None, None).plan
+    plan = plan_mm(a, b, None, out, "none", False)
+    return prepare_launch(a, b, None, out, "none", False, plan, None).plan
 
 
 def case_plans(case: Case, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
@@ -84,7 +86,7 @@ def case_plans(case: Case, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
 
 
 def _launch(plan: tuning.MMPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    from ..ops.mm import launch_mm
+    from ..ops.launcher import launch_mm
 
     launch_mm(a, b, None, out, "none", traceable=False, plan=plan)
 

@@ -43,21 +43,22 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import grouped_mm_kernel
 from ._registry import define_triton_op, eager_autograd_function
-from .mm import (
-    _base_aligned,
-    _check,
-    _check_operand_pair,
-    _check_value,
-    _float32_precision,
-    _input_precision,
-    _launch,
-    _needs_grad,
-    _num_sms,
-    _plain_eager,
-    _tma_operand,
+from .checks import (
+    check,
+    check_operand_pair,
+    check_value,
+    float32_precision,
+    input_precision,
+)
+from .launcher import (
+    launch_kernel,
     memoised_eager_call,
+    needs_grad,
+    num_sms,
+    plain_eager,
     tensor_key,
 )
+from .operands import base_aligned, tma_operand
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = INPUT_DTYPES
@@ -108,61 +109,61 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
     """Validate everything but offs' values (also under FakeTensor and symbolic shapes); return
     the form and the out dtype."""
     op = "tgemm::grouped_mm"
-    _check(a.dim() in (2, 3) and b.dim() in (2, 3),
-           lambda: f"{op}: a and b must be 2-D or 3-D, got a of shape {tuple(a.shape)} and b of "
+    check(a.dim() in (2, 3) and b.dim() in (2, 3),
+          lambda: f"{op}: a and b must be 2-D or 3-D, got a of shape {tuple(a.shape)} and b of "
                    f"shape {tuple(b.shape)}")
     form = _form(a, b)
-    _check_operand_pair(op, a, b, INPUT_DTYPES)
-    _check(a.shape[-1] == b.shape[-2],
-           lambda: f"{op}: a has {a.shape[-1]} columns but b has {b.shape[-2]} rows (a is "
+    check_operand_pair(op, a, b, INPUT_DTYPES)
+    check(a.shape[-1] == b.shape[-2],
+          lambda: f"{op}: a has {a.shape[-1]} columns but b has {b.shape[-2]} rows (a is "
                    f"{tuple(a.shape)}, b is {tuple(b.shape)})")
     if form == "none":
-        _check(offs is None,
-               lambda: f"{op}: offs must be None for 3-D a and 3-D b (a batch of "
+        check(offs is None,
+              lambda: f"{op}: offs must be None for 3-D a and 3-D b (a batch of "
                        f"{a.shape[0]} products)")
-        _check(a.shape[0] == b.shape[0],
-               lambda: f"{op}: a has {a.shape[0]} groups but b has {b.shape[0]} (a is "
+        check(a.shape[0] == b.shape[0],
+              lambda: f"{op}: a has {a.shape[0]} groups but b has {b.shape[0]} (a is "
                        f"{tuple(a.shape)}, b is {tuple(b.shape)})")
     else:
-        _check(offs is not None,
-               lambda: f"{op}: offs is required when a or b is 2-D (a is {tuple(a.shape)}, b is "
+        check(offs is not None,
+              lambda: f"{op}: offs is required when a or b is 2-D (a is {tuple(a.shape)}, b is "
                        f"{tuple(b.shape)}): int32 cumulative ends of the groups along "
                        f"{_GROUPED_DIM_NAMES[form]}")
         assert offs is not None
-        _check_value(offs.dtype == torch.int32,
-                     lambda: f"{op}: offs must be int32, got {offs.dtype}")
-        _check(offs.dim() == 1,
-               lambda: f"{op}: offs must be 1-D [G], got shape {tuple(offs.shape)}")
-        _check(offs.device == a.device,
-               lambda: f"{op}: offs is on {offs.device} but a is on {a.device}")
+        check_value(offs.dtype == torch.int32,
+                    lambda: f"{op}: offs must be int32, got {offs.dtype}")
+        check(offs.dim() == 1,
+              lambda: f"{op}: offs must be 1-D [G], got shape {tuple(offs.shape)}")
+        check(offs.device == a.device,
+              lambda: f"{op}: offs is on {offs.device} but a is on {a.device}")
         if form in ("m", "n"):
             holder, count = ("b", b.shape[0]) if form == "m" else ("a", a.shape[0])
-            _check(offs.shape[0] == count,
-                   lambda: f"{op}: offs has {offs.shape[0]} entries but {holder} has {count} "
+            check(offs.shape[0] == count,
+                  lambda: f"{op}: offs has {offs.shape[0]} entries but {holder} has {count} "
                            f"groups (a is {tuple(a.shape)}, b is {tuple(b.shape)})")
         length = _grouped_length(form, a, b)
-        _check(length <= _INT32_LIMIT,
-               lambda: f"{op}: {_GROUPED_DIM_NAMES[form]} has {length} entries, more than int32 "
+        check(length <= _INT32_LIMIT,
+              lambda: f"{op}: {_GROUPED_DIM_NAMES[form]} has {length} entries, more than int32 "
                        f"offs can address")
-    _check_value(not zero_tail or form in ("m", "n"),
-                 lambda: f"{op}: zero_tail applies when a 2-D a or b is grouped by rows or "
+    check_value(not zero_tail or form in ("m", "n"),
+                lambda: f"{op}: zero_tail applies when a 2-D a or b is grouped by rows or "
                          f"columns (2-D x 3-D, 3-D x 2-D), not to a{a.dim()}-D x {b.dim()}-D "
                          f"product")
     if out_dtype is None:
         out_dtype = a.dtype
-    _check_value(
+    check_value(
         out_dtype in OUT_DTYPES,
         lambda: f"{op}: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
     if bias is not None:
         expected = _bias_shape(form, a, b, offs)
-        _check(tuple(bias.shape) == expected,
-               lambda: f"{op}: bias must have shape {tuple(expected)} "
+        check(tuple(bias.shape) == expected,
+              lambda: f"{op}: bias must have shape {tuple(expected)} "
                        f"({'per column of out' if form == 'n' else '[G, N], a row per group'}), "
                        f"got {tuple(bias.shape)}")
-        _check_value(bias.dtype in OUT_DTYPES,
-                     lambda: f"{op}: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
-        _check(bias.device == a.device,
-               lambda: f"{op}: bias is on {bias.device} but a is on {a.device}")
+        check_value(bias.dtype in OUT_DTYPES,
+                    lambda: f"{op}: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
+        check(bias.device == a.device,
+              lambda: f"{op}: bias is on {bias.device} but a is on {a.device}")
     return form, out_dtype
 
 
@@ -280,7 +281,7 @@ def _tma_loads(form: str, a: torch.Tensor, b: torch.Tensor,
     stride along M, not K; B_K_CONTIGUOUS: b's along K, not N).
 
     TMA needs Hopper, a 16-byte aligned base (for every group, in a 3-D operand), a unit stride
-    in one of the last two dims and 16-byte multiples for the others (ops/mm.py's rules). A TMA
+    in one of the last two dims and 16-byte multiples for the others (operands.py's rules). A TMA
     read must also start on a 16-byte boundary along the contiguous dim, so that dim must not be
     the grouped one (group starts are arbitrary): the MoE layouts (forward, input and weight
     gradients) all qualify; the others take the pointer loaders. Triton's interpreter emulates
@@ -312,7 +313,7 @@ def _tma_stores(form: str, out: torch.Tensor, p: _Problem) -> bool:
     strides = p.c_strides
     return (form != "n" and all(type(x) is int for x in strides) and strides[2] == 1
             and strides[1] * size % 16 == 0 and strides[0] * size % 16 == 0
-            and _base_aligned(out))
+            and base_aligned(out))
 
 
 def _pointer_loads(p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...], dict[str, bool]]:
@@ -322,11 +323,11 @@ def _pointer_loads(p: _Problem) -> tuple[bool, tuple[int, ...], tuple[int, ...],
 
 def _tma_grouped_operand(t: torch.Tensor, rows: int, cols: int,
                          strides: tuple[int, ...]) -> tuple[bool, int, int] | None:
-    """ops/mm.py's ``_tma_operand`` for one [G, rows, cols] operand (2-D: one group of stride
+    """operands.py's ``tma_operand`` for one [G, rows, cols] operand (2-D: one group of stride
     0), which also needs every group's base on a 16-byte boundary."""
-    if not _base_aligned(t) or strides[0] * t.element_size() % 16 != 0:
+    if not base_aligned(t) or strides[0] * t.element_size() % 16 != 0:
         return None
-    return _tma_operand(rows, cols, strides[1], strides[2], t.element_size())
+    return tma_operand(rows, cols, strides[1], strides[2], t.element_size())
 
 
 def _sym_min(a: int, b: int | torch.SymInt) -> int | torch.SymInt:
@@ -363,7 +364,7 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
     """Choose loaders and tile and work out the launch (see ``launch_grouped_mm``); None when
     there is nothing to write. Raises where no kernel can run on the operands' device."""
     error = _device.kernel_device_error(a.device)
-    _check(error is None, lambda: f"tgemm::grouped_mm: {error}")
+    check(error is None, lambda: f"tgemm::grouped_mm: {error}")
     form = _form(a, b)
     p = _Problem(form, a, b, out, offs, bias)
     G, M, N, K = p.G, p.M, p.N, p.K
@@ -373,7 +374,7 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
     tma, a_strides, b_strides, flags = loads
     c_tma = tma and _tma_stores(form, out, p)
     tile, c_tma = _tile(form, G, M, N, a.element_size(), tma and _device.supports_tma(a.device),
-                        out.element_size() if c_tma else 0, _num_sms(a.device))
+                        out.element_size() if c_tma else 0, num_sms(a.device))
     stride_bias_g, stride_bias_n = p.bias_strides
     # Runtime arguments in grouped_mm_kernel's order after the tensors; the tile's
     # meta-parameters come after them.
@@ -382,11 +383,11 @@ def prepare_grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor 
         *a_strides, *b_strides, *p.c_strides, stride_bias_g, stride_bias_n,
         form, zero_tail, bias is not None, tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"],
         c_tma, tuning.epilogue_subtile(tile) if c_tma else 1,
-        _input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
+        input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
-    grid = (_sym_min(_num_sms(a.device),
+    grid = (_sym_min(num_sms(a.device),
                      _tile_bound(form, G, M, N, tile.block_m, tile.block_n, zero_tail)),)
     return GroupedLaunch(grid, args, tuning.tile_meta(tile), tma)
 
@@ -396,8 +397,8 @@ def _run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
                         traceable: bool) -> None:
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
-    _launch(grouped_mm_kernel, launch.grid, (a, b, out, bias, offs, *launch.args), launch.meta,
-            traceable, launch.compiled)
+    launch_kernel(grouped_mm_kernel, launch.grid, (a, b, out, bias, offs, *launch.args),
+                  launch.meta, traceable, launch.compiled)
 
 
 def _tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,
@@ -430,16 +431,17 @@ def _tile_bound(form: str, G: Any, M: Any, N: Any, block_m: int, block_n: int,
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
-# As for tgemm::mm (see mm.memoised_eager_call): checks and launch arithmetic are memoised per
+# As for tgemm::mm (see memoised_eager_call): checks and launch arithmetic are memoised per
 # call signature (shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out
 # dtype, zero_tail, fp32 precision). offs' values are not in it: they are checked (where
 # TORCH_TRITON_GEMM_CHECK_OFFS asks) on every call.
 
-def _eager_signature(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
-                     bias: torch.Tensor | None, out_dtype: torch.dtype | None,
-                     zero_tail: bool) -> tuple[Any, ...]:
+def grouped_eager_signature(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                            bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+                            zero_tail: bool) -> tuple[Any, ...]:
+    """The memo key of a plain eager call (see memoised_eager_call)."""
     return ("tgemm::grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs),
-            tensor_key(bias), out_dtype, bool(zero_tail), _float32_precision())
+            tensor_key(bias), out_dtype, bool(zero_tail), float32_precision())
 
 
 def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
@@ -448,13 +450,13 @@ def _grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     """The op body for eager calls on real tensors: the kernel launched without wrap_triton,
     checks and launch arithmetic memoised per call signature."""
     return grouped_eager_call(a, b, offs, bias, out_dtype, zero_tail,
-                              _eager_signature(a, b, offs, bias, out_dtype, zero_tail))
+                              grouped_eager_signature(a, b, offs, bias, out_dtype, zero_tail))
 
 
 def grouped_eager_call(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                        bias: torch.Tensor | None, out_dtype: torch.dtype | None, zero_tail: bool,
                        signature: tuple[Any, ...]) -> torch.Tensor:
-    """``_grouped_mm_eager`` for a caller that has the call's ``_eager_signature`` already."""
+    """``_grouped_mm_eager`` for a caller that has the call's ``grouped_eager_signature``."""
 
     def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
         out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
@@ -573,8 +575,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
         >>> offs = counts.cumsum(0).to(torch.int32)
         >>> y = tg.grouped_mm(x, w.transpose(-2, -1), offs)   # [1000, 2048]
     """
-    if _plain_eager(a, b, offs, bias):
-        if _needs_grad(a, b, bias):
+    if plain_eager(a, b, offs, bias):
+        if needs_grad(a, b, bias):
             return _EagerGroupedMM.apply(a, b, offs, bias, out_dtype, zero_tail)
         return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
     return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)

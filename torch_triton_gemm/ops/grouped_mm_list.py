@@ -25,8 +25,9 @@ import torch
 from .. import device as _device
 from .. import tuning
 from ..kernels.grouped import TABLE_COLUMNS, grouped_mm_list_kernel
+from .checks import check, check_value, input_precision
 from .grouped_mm import INPUT_DTYPES, OUT_DTYPES
-from .mm import _check, _check_value, _input_precision, _num_sms
+from .launcher import num_sms
 
 _OP = "tgemm::grouped_mm_list"
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
@@ -37,38 +38,38 @@ _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is
 def _check_inputs(a: list[torch.Tensor], b: list[torch.Tensor],
                   out_dtype: torch.dtype | None) -> torch.dtype | None:
     """Validate the pairs (also under FakeTensor); return the out dtype (None for no pairs)."""
-    _check(len(a) == len(b),
-           lambda: f"{_OP}: a has {len(a)} matrices but b has {len(b)}")
+    check(len(a) == len(b),
+          lambda: f"{_OP}: a has {len(a)} matrices but b has {len(b)}")
     if not a:
         return out_dtype
     dtype, device = a[0].dtype, a[0].device
-    _check_value(dtype in INPUT_DTYPES,
-                 lambda: f"{_OP}: a[0] has dtype {dtype}; supported: "
+    check_value(dtype in INPUT_DTYPES,
+                lambda: f"{_OP}: a[0] has dtype {dtype}; supported: "
                          f"{', '.join(map(str, INPUT_DTYPES))}")
     for i, (x, y) in enumerate(zip(a, b)):
         _check_pair(i, x, y, dtype, device)
     out_dtype = dtype if out_dtype is None else out_dtype
-    _check_value(out_dtype in OUT_DTYPES,
-                 lambda: f"{_OP}: out_dtype {out_dtype} is not supported; choose one of "
+    check_value(out_dtype in OUT_DTYPES,
+                lambda: f"{_OP}: out_dtype {out_dtype} is not supported; choose one of "
                          f"{OUT_DTYPES}")
     return out_dtype
 
 
 def _check_pair(i: int, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype,
                 device: torch.device) -> None:
-    _check(x.dim() == 2 and y.dim() == 2,
-           lambda: f"{_OP}: a[{i}] and b[{i}] must be 2-D, got shapes {tuple(x.shape)} and "
+    check(x.dim() == 2 and y.dim() == 2,
+          lambda: f"{_OP}: a[{i}] and b[{i}] must be 2-D, got shapes {tuple(x.shape)} and "
                    f"{tuple(y.shape)}")
-    _check(x.shape[1] == y.shape[0],
-           lambda: f"{_OP}: a[{i}] has {x.shape[1]} columns but b[{i}] has {y.shape[0]} rows")
-    _check_value(x.dtype == dtype and y.dtype == dtype,
-                 lambda: f"{_OP}: every matrix must have a[0]'s dtype {dtype}, got a[{i}] "
+    check(x.shape[1] == y.shape[0],
+          lambda: f"{_OP}: a[{i}] has {x.shape[1]} columns but b[{i}] has {y.shape[0]} rows")
+    check_value(x.dtype == dtype and y.dtype == dtype,
+                lambda: f"{_OP}: every matrix must have a[0]'s dtype {dtype}, got a[{i}] "
                          f"{x.dtype} and b[{i}] {y.dtype}")
-    _check(x.device == device and y.device == device,
-           lambda: f"{_OP}: every matrix must be on a[0]'s device {device}, got a[{i}] on "
+    check(x.device == device and y.device == device,
+          lambda: f"{_OP}: every matrix must be on a[0]'s device {device}, got a[{i}] on "
                    f"{x.device} and b[{i}] on {y.device}")
-    _check(x.layout == torch.strided and y.layout == torch.strided,
-           lambda: f"{_OP}: a[{i}] and b[{i}] must be dense (strided) tensors")
+    check(x.layout == torch.strided and y.layout == torch.strided,
+          lambda: f"{_OP}: a[{i}] and b[{i}] must be dense (strided) tensors")
 
 
 # --- the op body --------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
         return
     device = a[0].device
     error = _device.kernel_device_error(device)
-    _check(error is None, lambda: f"{_OP}: {error}")
+    check(error is None, lambda: f"{_OP}: {error}")
     rows, tiles = [], 0
     # The pointer loaders only: the list's operands have no common layout to describe.
     tile = tuning.heuristic_grouped_tile(max(x.shape[0] for x in a), max(y.shape[1] for y in b),
@@ -118,10 +119,10 @@ def launch_grouped_mm_list(a: list[torch.Tensor], b: list[torch.Tensor],
         # Pinned memory copies without a host sync; the caching host allocator keeps the buffer
         # until the copy has run.
         table = table.pin_memory().to(device, non_blocking=True)
-    grid = (min(_num_sms(device), tiles),)
+    grid = (min(num_sms(device), tiles),)
     aligned = all(_aligned(x, y, c) for x, y, c in zip(a, b, out) if c.numel() > 0)
     grouped_mm_list_kernel[grid](
-        a[0], b[0], out[0], table, len(rows), aligned, _input_precision(a[0].dtype),
+        a[0], b[0], out[0], table, len(rows), aligned, input_precision(a[0].dtype),
         _device.interpreter_enabled() and a[0].dtype == torch.bfloat16,
         **tuning.tile_meta(tile))
 

@@ -50,23 +50,21 @@ from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.scaled import scaled_mm_kernel
 from ._registry import define_triton_op
-from .mm import (
+from .checks import check, check_epilogue_args, check_value, needs_int64_indexing
+from .launcher import (
     GemmScales,
     PreparedLaunch,
-    _check,
-    _check_value,
-    _launch,
-    _needs_grad,
-    _needs_int64_indexing,
-    _plain_eager,
-    check_epilogue_args,
     kept,
+    launch_kernel,
     launch_mm,
     memoised_eager_call,
+    needs_grad,
+    plain_eager,
     prepare_launch,
     run_launch,
     tensor_key,
 )
+from .planner import plan_mm
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPE = torch.float4_e2m1fn_x2
@@ -109,7 +107,7 @@ def _fp32_scale_recipe(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                        scale_b: torch.Tensor, K: Any) -> Recipe:
     """tensorwise, rowwise or blockwise, from the shapes of float32 scales (torch's order)."""
     m, n = a.shape[0], b.shape[1]
-    _check_value(
+    check_value(
         a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES,
         lambda: f"tgemm::scaled_mm: float32 scales (tensorwise, rowwise, blockwise) go with fp8 "
                 f"operands, got a {a.dtype} and b {b.dtype}; fp4 operands take float8_e8m0fnu "
@@ -132,7 +130,7 @@ def _fp32_scale_recipe(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
             b_group = 1
         elif _shape(scale_b) == (kb, _ceil_div(n, BLOCKWISE_K)):
             b_group = BLOCKWISE_K
-    _check(
+    check(
         a_group is not None and b_group is not None,
         lambda: f"tgemm::scaled_mm: scale shapes fit no recipe: got scale_a "
                 f"{_shape(scale_a)} and scale_b {_shape(scale_b)} for a {_shape(a)} and b "
@@ -153,7 +151,7 @@ def _microscaling_recipe(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
         name = name_a if name_a == name_b else f"{name_a} x {name_b}"
         recipe = Recipe(name, "micro", "e8m0", MX_BLOCK)
     else:
-        _check_value(
+        check_value(
             a.dtype == FP4_DTYPE and b.dtype == FP4_DTYPE,
             lambda: f"tgemm::scaled_mm: float8_e4m3fn scales are nvfp4's and go with "
                     f"float4_e2m1fn_x2 operands, got a {a.dtype} and b {b.dtype}; fp8 operands "
@@ -162,12 +160,12 @@ def _microscaling_recipe(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor
         recipe = Recipe("nvfp4", "micro", "e4m3", NVFP4_BLOCK)
     block = recipe.scale_k
     m, n = a.shape[0], b.shape[1]
-    _check_value(
+    check_value(
         K % block == 0,
         lambda: f"tgemm::scaled_mm: {recipe.name} scales cover {block} elements of K, so K must "
                 f"be a multiple of {block}; got K={K} (a {_shape(a)}, b {_shape(b)})")
     kb = K // block
-    _check(
+    check(
         _shape(scale_a) == (m, kb) and _shape(scale_b) == (kb, n),
         lambda: f"tgemm::scaled_mm: {recipe.name} takes one {scale_a.dtype} scale per {block} "
                 f"elements along K: scale_a ({m}, {kb}) and scale_b ({kb}, {n}) for M={m}, "
@@ -180,12 +178,12 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   out_dtype: torch.dtype | None) -> tuple[torch.dtype, Recipe]:
     """Validate the arguments (also under FakeTensor and symbolic shapes); return the out dtype
     and the recipe."""
-    _check(a.dim() == 2, lambda: f"tgemm::scaled_mm: a must be 2-D [M, K], got {a.dim()}-D of "
+    check(a.dim() == 2, lambda: f"tgemm::scaled_mm: a must be 2-D [M, K], got {a.dim()}-D of "
                                  f"shape {_shape(a)}")
-    _check(b.dim() == 2, lambda: f"tgemm::scaled_mm: b must be 2-D [K, N], got {b.dim()}-D of "
+    check(b.dim() == 2, lambda: f"tgemm::scaled_mm: b must be 2-D [K, N], got {b.dim()}-D of "
                                  f"shape {_shape(b)}")
     for name, t in (("a", a), ("b", b)):
-        _check_value(
+        check_value(
             t.dtype in INPUT_DTYPES,
             lambda name=name, t=t: f"tgemm::scaled_mm: {name} has dtype {t.dtype}; scaled_mm "
                                    f"takes quantized operands: float8_e4m3fn, float8_e5m2 or "
@@ -194,19 +192,19 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                                    f"{t.dtype} operands)")
     for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias)):
         if t is not None:
-            _check(t.device == a.device,
-                   lambda name=name, t=t: f"tgemm::scaled_mm: {name} is on {t.device} but a is "
+            check(t.device == a.device,
+                  lambda name=name, t=t: f"tgemm::scaled_mm: {name} is on {t.device} but a is "
                                           f"on {a.device}")
-            _check(t.layout == torch.strided,
-                   lambda name=name, t=t: f"tgemm::scaled_mm: {name} must be a dense (strided) "
+            check(t.layout == torch.strided,
+                  lambda name=name, t=t: f"tgemm::scaled_mm: {name} must be a dense (strided) "
                                           f"tensor, got {t.layout}")
     k_a, k_b = a.shape[1] * _pack(a.dtype), b.shape[0] * _pack(b.dtype)
-    _check(
+    check(
         k_a == k_b,
         lambda: f"tgemm::scaled_mm: a has K={k_a} but b has K={k_b} (a is {_shape(a)} "
                 f"{a.dtype}, b is {_shape(b)} {b.dtype}; float4_e2m1fn_x2 holds two elements "
                 f"of K a byte)")
-    _check_value(
+    check_value(
         scale_a.dtype == scale_b.dtype and scale_a.dtype in SCALE_DTYPES,
         lambda: f"tgemm::scaled_mm: scale_a and scale_b must share one scale dtype: float32 "
                 f"(tensorwise, rowwise, blockwise), float8_e8m0fnu (mxfp8, mxfp4) or "
@@ -225,7 +223,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 def _check_no_quantized_grads(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                               scale_b: torch.Tensor) -> None:
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
-        _check(
+        check(
             not t.requires_grad,
             lambda name=name, t=t: (
                 f"tgemm::scaled_mm: {name} ({t.dtype}) requires grad, but scaled_mm's quantized "
@@ -307,31 +305,32 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     traces.
     """
     error = _device.kernel_device_error(a.device)
-    _check(error is None, lambda: f"tgemm::scaled_mm: {error}")
+    check(error is None, lambda: f"tgemm::scaled_mm: {error}")
     M, N = a.shape[0], b.shape[1]
     K = a.shape[1] * _pack(a.dtype)
     if M == 0 or N == 0:
         return
     if recipe.scaling in ("outer", "block"):
-        plan = None if tile is None else tuning.MMPlan("portable", tile)
-        launch_mm(a, b, bias, out, "none", traceable, plan=plan,
-                  scales=_gemm_scales(recipe, scale_a, scale_b, use_fast_accum))
+        scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
+        plan = (plan_mm(a, b, bias, out, "none", traceable, scales) if tile is None
+                else tuning.MMPlan("portable", tile))
+        launch_mm(a, b, bias, out, "none", traceable, plan, scales)
         return
     scaling = "micro"
     if native is None:
         native = _device.supports_native_fp4(a.device)
     if native:
         # The interpreter's dot_scaled reads every scale as e8m0.
-        _check(not (_device.interpreter_enabled() and recipe.scale_format == "e4m3"),
-               lambda: "tgemm::scaled_mm: Triton's interpreter has no e4m3-scaled dot_scaled")
+        check(not (_device.interpreter_enabled() and recipe.scale_format == "e4m3"),
+              lambda: "tgemm::scaled_mm: Triton's interpreter has no e4m3-scaled dot_scaled")
         scaling = "micro_native"
     stride_am, stride_ak = a.stride()
     stride_bk, stride_bn = b.stride()
     stride_cm, stride_cn = out.stride()
     stride_sam, stride_sak, stride_sbk, stride_sbn = _scale_strides(recipe, scale_a, scale_b)
-    index_64 = _needs_int64_indexing(((M, a.shape[1], stride_am, stride_ak),
-                                      (b.shape[0], N, stride_bk, stride_bn),
-                                      (M, N, stride_cm, stride_cn)))
+    index_64 = needs_int64_indexing(((M, a.shape[1], stride_am, stride_ak),
+                                     (b.shape[0], N, stride_bk, stride_bn),
+                                     (M, N, stride_cm, stride_cn)))
     # Runtime arguments in scaled_mm_kernel's order; the tile's meta-parameters come after them.
     args = (
         _as_kernel_arg(a), _as_kernel_arg(b), out, bias,
@@ -347,11 +346,11 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         tile = tuning.heuristic_scaled_mm_tile(M, N, scaling)
     grid = (tuning.output_tiles(M, N, tile),)
     kernel_meta = tuning.tile_meta(tile)
-    _launch(scaled_mm_kernel, grid, args, kernel_meta, traceable)
+    launch_kernel(scaled_mm_kernel, grid, args, kernel_meta, traceable)
 
 
 # --- plain eager calls ----------------------------------------------------------------------------
-# As for tgemm::mm (see mm.memoised_eager_call): an eager call of an fp8 recipe (float32
+# As for tgemm::mm (see memoised_eager_call): an eager call of an fp8 recipe (float32
 # scales) memoises its checks and launch per call signature, which fixes everything they depend
 # on: shapes, strides, dtypes, devices and 16-byte alignment of every tensor, out dtype, the
 # accumulation mode. The microscaled recipes launch their own kernel on every call.
@@ -375,12 +374,13 @@ def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.
     def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
         out_dtype_checked, recipe = _check_inputs(a, b, scale_a, scale_b, bias, out_dtype)
         error = _device.kernel_device_error(a.device)
-        _check(error is None, lambda: f"tgemm::scaled_mm: {error}")
+        check(error is None, lambda: f"tgemm::scaled_mm: {error}")
         out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype_checked)
         if out.numel() == 0:
             return out, None
         scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
-        return out, kept(prepare_launch(a, b, bias, out, "none", False, None, scales))
+        plan = plan_mm(a, b, bias, out, "none", False, scales)
+        return out, kept(prepare_launch(a, b, bias, out, "none", False, plan, scales))
 
     signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
     out, prepared = memoised_eager_call(signature, first_call, a)
@@ -458,7 +458,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     """
     if torch.is_grad_enabled():
         _check_no_quantized_grads(a, b, scale_a, scale_b)
-    if _plain_eager(a, b, scale_a, scale_b, bias) and not _needs_grad(bias):
+    if plain_eager(a, b, scale_a, scale_b, bias) and not needs_grad(bias):
         return _eager_allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype,
                                           use_fast_accum)
     return torch.ops.tgemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)

@@ -1,0 +1,348 @@
+"""The launcher of the GEMM kernels: a plan and the tensors in, kernel launches out.
+
+Data flow: ops -> planner -> launcher -> kernels. Given a plan, the launcher works out
+descriptors, padded copies, grids, meta-parameters, the split-K workspace and reduction, and
+launches: through wrap_triton where tracing may see the launch, else directly (through the
+compiled kernel for memoised eager calls). It also keeps what every op's eager path shares: the
+per-signature memo of eager launches and the test for calls that may skip the dispatcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import triton
+from torch.library import wrap_triton
+
+from .. import device as _device
+from .. import tuning
+from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
+from .checks import check, input_precision, needs_int64_indexing
+from .operands import Pad, kernel_operands
+
+
+class GemmScales(NamedTuple):
+    """fp8 scales for the GEMM kernels (tgemm::scaled_mm's tensorwise, rowwise and blockwise
+    recipes). "outer": scale_a per row of a, scale_b per column of b (stride 0 for one scale);
+    "block": scale_a per ``a_rows`` rows x 128 K elements, scale_b per 128 K x ``b_cols``
+    columns, indexed [row block, K block] and [K block, column block] through the strides."""
+    mode: str
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    strides: tuple[int, int, int, int]  # scale_a: rows, K blocks; scale_b: K blocks, columns
+    a_rows: int = 1
+    b_cols: int = 1
+    fast_accum: bool = False
+
+
+# Scale strides and (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM) of an unscaled GEMM.
+_NO_SCALES = ((0, 0, 0, 0), ("none", 1, 1, False))
+
+
+class PreparedLaunch(NamedTuple):
+    """Everything a GEMM launch needs but the tensors: kernel, its launches (grid, meta-
+    parameters, the runtime arguments after the tensor pointers; a tail split has two), and the
+    split-K reduction if any."""
+    kernel: Any
+    launches: tuple[tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]], ...]
+    workspace_shape: tuple[Any, ...] | None
+    reduce: tuple[tuple[int], tuple[Any, ...], Mapping[str, Any]] | None
+    pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
+    locks_shape: tuple[int] | None = None  # stream-K's flags, zeroed per launch
+    plan: tuning.MMPlan | None = None  # the plan as launched (for benchmarks and tests)
+    # Compiled kernels, one cache per launch and the reduction's last (see _launch_compiled),
+    # for prepared launches that are kept and reused (memoised eager calls); else empty.
+    compiled: tuple[dict[Any, Any], ...] = ()
+
+
+def num_sms(device: torch.device) -> int:
+    """The SMs that persistent grids and split decisions count on ``device``. The interpreter
+    runs programs one after another: a few persistent programs suffice there."""
+    return _device.num_sms(device) if device.type == "cuda" else 4
+
+
+def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              activation: str, traceable: bool, plan: tuning.MMPlan,
+              scales: GemmScales | None = None) -> None:
+    """Launch the GEMM kernels of ``plan`` writing activation(a @ b + bias) into ``out``
+    (checked inputs), the product scaled by ``scales`` when given (fp8 recipes of
+    tgemm::scaled_mm).
+
+    ``traceable=False`` launches the Triton kernels directly instead of through ``wrap_triton``,
+    for plain eager calls that nothing traces. ``plan`` is the planner's (``planner.plan_mm``)
+    or one to time (tuning); a "tma" plan runs on the portable kernel when the operands cannot
+    be described for TMA.
+    """
+    error = _device.kernel_device_error(a.device)
+    check(error is None, lambda: f"tgemm::mm: {error}")
+    if a.shape[0] == 0 or b.shape[1] == 0:
+        return
+    prepared = prepare_launch(a, b, bias, out, activation, traceable, plan, scales)
+    scale_a, scale_b = (None, None) if scales is None else (scales.scale_a, scales.scale_b)
+    run_launch(prepared, a, b, bias, out, scale_a, scale_b, traceable)
+
+
+def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor, activation: str, traceable: bool,
+                   plan: tuning.MMPlan, scales: GemmScales | None) -> PreparedLaunch:
+    """Work out the launch of ``plan`` (see ``launch_mm``); M and N are non-zero."""
+    device = a.device
+    M, K = a.shape
+    N = b.shape[1]
+    stride_am, stride_ak = a.stride()
+    stride_bk, stride_bn = b.stride()
+    stride_cm, stride_cn = out.stride()
+    tma_args = None
+    pads = (None, None)
+    if type(M) is int and type(N) is int and type(K) is int:
+        tma_args, pads, (stride_am, stride_ak, stride_bk, stride_bn) = kernel_operands(
+            a, b, out, plan.pad)
+        if plan.kernel == "tma" and tma_args is None:
+            plan = dataclasses.replace(plan, kernel="portable", epilogue_subtile=1,
+                                       warp_specialize=False, stream_k=0)
+        if scales is not None:
+            plan = tuning.scaled_plan(plan, scales.mode)
+        split_k, k_per_split = tuning.effective_split(K, plan.tile.block_k, plan.split_k)
+    else:
+        # Symbolic sizes (torch.compile with dynamic shapes): the planner's one plan for every
+        # size, unsplit, so that nothing guards on them; the portable kernel takes any strides.
+        split_k, k_per_split = 1, K
+    tile = plan.tile
+    tiles = tuning.output_tiles(M, N, tile)
+    programs = num_sms(device) * plan.programs_per_sm  # of the persistent kernel
+    sk_tiles = 0
+    if plan.stream_k and plan.kernel == "tma" and split_k == 1:
+        sk_tiles = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
+    whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, num_sms(device))
+    split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
+    index_64 = needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
+                                     (M, N, stride_cm, stride_cn),
+                                     (max(split_units, programs) * tile.block_m, tile.block_n,
+                                      tile.block_n, 1)))
+    stride_bias = bias.stride(0) if bias is not None else 0
+    if scales is None:
+        scale_strides, scaling = _NO_SCALES
+    else:
+        scale_strides = scales.strides
+        scaling = (scales.mode, scales.a_rows, scales.b_cols, scales.fast_accum)
+    if plan.kernel == "tma":
+        strides, flags = tma_args
+        kernel = mm_tma_kernel
+    else:
+        strides, flags = (stride_am, stride_ak, stride_bk, stride_bn), {}
+        kernel = mm_kernel
+
+    def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
+                    ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
+        # Runtime arguments after the tensors (a, b, out, bias, workspace, locks, scale_a,
+        # scale_b), in the kernels' shared order; the plan's meta-parameters come after them.
+        runtime_args = (
+            M, N, K, *strides, stride_cm, stride_cn, stride_bias, *scale_strides, k_per_split,
+            first_tile, units, sk_tiles, bias is not None, activation, input_precision(a.dtype),
+            _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
+        )
+        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0)
+        # Stream-K needs every program (each takes a share of the shared tiles' K steps).
+        grid = ((programs if sk_tiles else min(programs, units)),) if (
+            kernel is mm_tma_kernel) else (units,)
+        return grid, {**meta, **flags} if flags else meta, runtime_args
+
+    launches = []
+    if sk_tiles:
+        launches.append(gemm_launch(sk_tiles, tiles - sk_tiles, False, K))
+    elif split_k == 1 or whole_tiles > 0:  # (split_k first: no guard on symbolic sizes)
+        launches.append(gemm_launch(0, whole_tiles, False, K))
+    reduce = None
+    if split_k > 1:
+        launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
+        block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
+                                                         tile.block_n, num_sms(device))
+        blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
+        reduce = (
+            ((tiles - whole_tiles) * blocks,),
+            (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, bias is not None,
+             activation, index_64),
+            {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
+             "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
+             "num_warps": num_warps},
+        )
+    workspace = locks = None
+    if split_k > 1:
+        workspace = (split_units, tile.block_m, tile.block_n)
+    elif sk_tiles:
+        # A partial tile per program at most, and the program's flag.
+        workspace, locks = (programs, tile.block_m, tile.block_n), (programs,)
+    return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
+                          None if pads == (None, None) else pads, locks_shape=locks, plan=plan)
+
+
+def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
+               bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
+               scale_b: torch.Tensor | None, traceable: bool) -> None:
+    """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
+    are the scales of a prepared scaled product, else None."""
+    if prepared.kernel is mm_tma_kernel:
+        _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
+    if prepared.pads is not None:
+        pad_a, pad_b = prepared.pads
+        a = a if pad_a is None else pad_a.copy(a)
+        b = b if pad_b is None else pad_b.copy(b)
+    workspace = None
+    if prepared.workspace_shape is not None:
+        workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
+    locks = None
+    if prepared.locks_shape is not None:
+        locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
+    caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
+    for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
+        launch_kernel(prepared.kernel, grid,
+                      (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
+                      traceable,
+                      cache)
+    if prepared.reduce is not None:
+        grid, runtime_args, meta = prepared.reduce
+        launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
+                      traceable, caches[-1])
+
+
+def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
+                  traceable: bool, compiled: dict[int, Any] | None = None) -> None:
+    """Launch ``kernel``: through wrap_triton where tracing may see it, else directly; with
+    ``compiled`` (a memoised eager launch's cache), through its compiled kernel
+    (_launch_compiled)."""
+    # Interpreted kernels are plain Python that no tracer sees through (the op is then an opaque
+    # custom_op), and torch 2.11's wrap_triton refuses them: they always launch directly.
+    if traceable and not _INTERPRETED:
+        # Arguments may be symbolic here: pass them by name, as wrap_triton expects.
+        wrap_triton(kernel)[grid](**dict(zip(kernel.arg_names, args)), **meta)
+        return
+    with _device.SHARED_SCRATCH:
+        if compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta):
+            kernel[grid](*args, **meta)
+
+
+def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
+                     args: tuple[Any, ...], meta: Mapping[str, Any]) -> bool:
+    """Launch a memoised eager launch through the kernel Triton compiled for it; False where the
+    caller must launch through Triton's JIT.
+
+    The launch's memo key (each op's eager signature) fixes everything Triton specialises
+    on: every argument but the tensors, and of the tensors their dtypes and 16-byte alignment
+    (inputs by ``tensor_key``, outputs and workspaces by being fresh allocations). So one compiled
+    kernel per device serves every call with that key. Launching it directly skips the JIT's
+    argument binding and specialisation, about two thirds of the host time of a small GEMM.
+    Triton's launch hooks (profilers) need the JIT's path, which calls them.
+    """
+    if _INTERPRETED or _launch_hooks_set():
+        return False
+    device = torch._C._cuda_getDevice()
+    entry = cache.get(device)
+    if entry is None:
+        launched = kernel[grid](*args, **meta)
+        if launched is not None and hasattr(launched, "result"):
+            launched = launched.result()
+        # The launcher takes every parameter, constexprs included, in signature order.
+        tail = tuple(meta[param.name] if param.name in meta else param.default
+                     for param in kernel.params[len(args):])
+        cache[device] = (launched, (*grid, 1, 1)[:3], tail)
+        return True
+    launched, (grid_0, grid_1, grid_2), tail = entry
+    launched.run(grid_0, grid_1, grid_2, torch._C._cuda_getCurrentRawStream(device),
+                 launched.function, launched.packed_metadata, None, None, None, *args, *tail)
+    return True
+
+
+# Fixed for the process once kernels are decorated (see device.interpreter_enabled).
+_INTERPRETED = _device.interpreter_enabled()
+# Triton's runtime knobs (3.4+), where its launch hooks live; direct launches rely on the
+# launcher contract of those versions (grid, stream, function, metadata, hooks, arguments) and
+# are not used on older ones.
+_TRITON_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+def _launch_hooks_set() -> bool:
+    if _TRITON_RUNTIME is None:
+        return True
+    enter, leave = _TRITON_RUNTIME.launch_enter_hook, _TRITON_RUNTIME.launch_exit_hook
+    # Triton 3.5+ keeps hook chains (empty when unused); earlier versions a callable or None.
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
+
+
+# --- plain eager calls ----------------------------------------------------------------------------
+# An eager call of a small GEMM is host-bound: checks, plan and launch arithmetic cost more than
+# the kernel. They depend only on the call's signature (shapes, strides, dtypes, devices, the
+# 16-byte alignment of operands and bias, activation, out dtype, fp32 precision, tuned-plan
+# version), so eager calls memoise them per signature; a signature seen once needs no checks
+# again, and its kernels launch without Triton's JIT (see _launch_compiled).
+
+def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What an eager call's signature holds of a tensor argument (None stays None): shape,
+    strides, dtype, device and 16-byte alignment, all that checks, plans and Triton's
+    specialisation read of it."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+# Signature -> (out's shape, strides and dtype, the prepared launch or None).
+_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], torch.dtype,
+                                             Any]] = {}
+_EAGER_LAUNCHES_LIMIT = 4096
+
+
+def kept(prepared: PreparedLaunch) -> PreparedLaunch:
+    """``prepared`` with caches for the kernels it launches, to be kept and reused."""
+    return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
+
+
+def memoised_eager_call(signature: tuple[Any, ...],
+                        first_call: Callable[[], tuple[torch.Tensor, Any]],
+                        like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The output and the prepared launch (None: nothing to launch) of an eager GEMM call, from
+    the memo of its ``signature``, which must fix everything the checks and the launch depend
+    on (the op's name among them where two ops share a form).
+
+    The first call of a signature runs ``first_call``: the checks, then the output and the
+    prepared launch. Later calls only allocate the output, as the first call made it, on
+    ``like``'s device (``empty_strided``, the cheapest of torch's allocating calls: no option
+    parsing from a template tensor as in ``new_empty``).
+    """
+    known = _EAGER_LAUNCHES.get(signature)
+    if known is None:
+        out, prepared = first_call()
+        if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
+            _EAGER_LAUNCHES.clear()
+        _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.stride(), out.dtype, prepared)
+        return out, prepared
+    shape, strides, dtype, prepared = known
+    return torch.empty_strided(shape, strides, dtype=dtype, device=like.device), prepared
+
+
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """True for a call no PyTorch subsystem needs to see as an op: no tracing, compile, modes or
+    tensor subclasses. Such calls skip the dispatcher (autograd still applies, through the op's
+    eager autograd function, as ``_EagerMM`` in ops/mm.py), whose Python custom-op path costs
+    more host time than a small GEMM takes on the GPU."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active():
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record a call on these tensors (None entries are skipped)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)

@@ -1,0 +1,76 @@
+"""The planner: which plan a GEMM launch of tgemm::mm's kernels runs (kernel, tile, split-K),
+for tgemm::mm and the fp8 recipes of tgemm::scaled_mm.
+
+Data flow: ops -> planner -> launcher -> kernels. A plan is a function of shapes, strides,
+dtypes and device properties: a forced plan, else the tuned table's, else the heuristic's,
+memoised per shape. The planner launches nothing: the ops hand its plan to the launcher. Where
+TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, it runs tune.py on first use, which times explicit
+plans through the launcher and never asks the planner (no import cycle).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import device as _device
+from .. import plan_cache, tuning
+from .launcher import GemmScales, num_sms
+from .operands import kernel_operands, layout_key
+
+
+def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            activation: str, traceable: bool, scales: GemmScales | None = None) -> tuning.MMPlan:
+    """The plan of a GEMM launch writing activation(a @ b + bias) into ``out`` (checked inputs,
+    M and N non-zero), for the launcher's ``prepare_launch``. Symbolic sizes (torch.compile with
+    dynamic shapes) get one plan for every size, so that nothing guards on them; known sizes get
+    ``_plan``'s, for the operands as the kernels will see them (padded copies included).
+    ``traceable=False`` marks a plain eager call, the only kind that may tune on first use."""
+    (M, K), N = a.shape, b.shape[1]
+    if not (type(M) is int and type(N) is int and type(K) is int):
+        return tuning.symbolic_mm_plan(a.element_size())
+    tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
+    return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
+                 tma_args is not None and _device.supports_tma(a.device), not traceable, scales)
+
+
+def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
+          out_size: int, layout: int, tma: bool, eager: bool,
+          scales: GemmScales | None = None) -> tuning.MMPlan:
+    """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
+    heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
+    plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
+    heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
+    forced = tuning.forced_plan()
+    if forced is not None:
+        return forced
+    (M, K), N, device = a.shape, b.shape[1], a.device
+    scaling, fast_accum = ("none", False) if scales is None else (scales.mode, scales.fast_accum)
+    # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
+    memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, plan_cache.TUNED.version,
+                scaling, fast_accum)
+    plan = _PLANS.get(memo_key)
+    if plan is not None:
+        return plan
+    if device.type == "cuda" and scales is None:
+        plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
+        if plan is None and eager and tuning.autotune_enabled() and (
+                not torch.cuda.is_current_stream_capturing()):
+            from ..tune import tune_on_first_use
+
+            tuned = tune_on_first_use(a, b, bias, activation)
+            if tuned is not None:
+                return tuned
+    if plan is None:
+        plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
+                                        out_size, a_k_contiguous=bool(layout & 2),
+                                        scaling=scaling, fast_accum=fast_accum)
+    if len(_PLANS) >= _PLANS_LIMIT:
+        _PLANS.clear()
+    _PLANS[memo_key] = plan
+    return plan
+
+
+_PLANS: dict[tuple[Any, ...], tuning.MMPlan] = {}
+_PLANS_LIMIT = 4096
