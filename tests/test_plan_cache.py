@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import plan_cache, tune, tuning
-from torch_triton_gemm.ops import mm as _mm
+from torch_triton_gemm.ops import launcher, operands, planner
 
 # Plans are looked up for CUDA devices only; on a host without a GPU the file is named "cpu".
 GPU = torch.device("cuda", 0)
@@ -231,13 +231,13 @@ def _fake_cuda_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Ten
 
 def _plan_of(a: torch.Tensor, b: torch.Tensor) -> tuning.MMPlan:
     """The plan an eager call on CUDA tensors ``a`` and ``b`` (no TMA) gets."""
-    layout = _mm._layout_key(a.stride(1), b.stride(0))
-    return _mm._plan(a, b, None, "none", a.element_size(), layout, False, True)
+    layout = operands.layout_key(a.stride(1), b.stride(0))
+    return planner._plan(a, b, None, "none", a.element_size(), layout, False, True)
 
 
 def _heuristic(a: torch.Tensor, b: torch.Tensor) -> tuning.MMPlan:
     (m, k), n = a.shape, b.shape[1]
-    return tuning.heuristic_mm_plan(m, n, k, a.element_size(), False, _mm._num_sms(a.device),
+    return tuning.heuristic_mm_plan(m, n, k, a.element_size(), False, launcher.num_sms(a.device),
                                     a.element_size(), a_k_contiguous=a.stride(1) == 1)
 
 
@@ -245,14 +245,14 @@ def _heuristic(a: torch.Tensor, b: torch.Tensor) -> tuning.MMPlan:
 def fresh_tuned(monkeypatch):
     """A tuned table and plan memo of this test's own."""
     monkeypatch.setattr(plan_cache, "TUNED", plan_cache.TunedPlans())
-    monkeypatch.setattr(_mm, "_PLANS", {})
+    monkeypatch.setattr(planner, "_PLANS", {})
 
 
 def test_the_planner_takes_tuned_plans_and_survives_a_corrupt_file(cache_dir, fresh_tuned,
                                                                     recwarn):
     a, b = _fake_cuda_operands(512, 4096, 4096)
     key = plan_cache.plan_key(512, 4096, 4096, torch.float16,
-                              _mm._layout_key(a.stride(1), b.stride(0)), False)
+                              operands.layout_key(a.stride(1), b.stride(0)), False)
     tuned = _random_plan()
     plan_cache.TunedPlans().put(GPU, key, tuned)
     assert _plan_of(a, b) == tuned
@@ -260,7 +260,7 @@ def test_the_planner_takes_tuned_plans_and_survives_a_corrupt_file(cache_dir, fr
     path.write_text(path.read_text()[:-1])
     # A new process meets the damaged file.
     plan_cache.TUNED = plan_cache.TunedPlans()
-    _mm._PLANS.clear()
+    planner._PLANS.clear()
     assert _plan_of(a, b) == _heuristic(a, b)
     assert len(_cache_warnings(recwarn, path)) == 1
 
