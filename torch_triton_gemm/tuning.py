@@ -512,9 +512,9 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
             continue
         tiles = output_tiles(m, n, tile)
         k_steps = -(-k // tile.block_k)
-        split = _split_for(m, n, k, tile, num_sms, element_size)
+        split = _round_split(_split_for(m, n, k, tile, num_sms, element_size))
         splits = {1, split, 2 * split} if m <= 32 and split > 1 else {1, split}
-        tail = _tail_split(m, n, k, tile, num_sms)
+        tail = _round_split(_tail_split(m, n, k, tile, num_sms))
         options = [dict(split_k=s) for s in sorted(splits)]
         if tail > 1:
             options.append(dict(split_k=tail, split_tail=True))
@@ -536,6 +536,15 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
             if plan not in seen:
                 seen.add(plan)
                 yield plan
+
+
+# K split counts the plan space uses: each count compiles a reduction kernel of its own, so a
+# few of them serve every shape (the closest at or below the count a rule asks for).
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _round_split(split: int) -> int:
+    return max(s for s in SPLIT_COUNTS if s <= max(1, split))
 
 
 def _tail_split(m: int, n: int, k: int, tile: TileConfig, num_sms: int) -> int:

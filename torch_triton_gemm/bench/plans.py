@@ -34,7 +34,8 @@ from .gemm import DTYPES, make_operands
 from .suites import Case
 from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
 
-FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "dtype", "aligned",
+FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pad", "class",
+          "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
           "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "heuristic",
           "us", "cublas_us", "ratio", "rel_err", "error")
@@ -91,11 +92,14 @@ def _launch(plan: tuning.MMPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Te
     launch_mm(a, b, None, out, "none", traceable=False, plan=plan)
 
 
-def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]]) -> int:
+def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]],
+                  deadline: float = math.inf) -> int:
     """Launch each plan once (a worker process's share), so that Triton compiles and caches
-    its kernels; returns how many failed."""
+    its kernels, until ``deadline`` (time.time()); returns how many failed."""
     failed = 0
     for case, dtype, plans in jobs:
+        if time.time() > deadline:
+            break
         a, b, out = _operands(case, dtype)
         for plan in plans:
             try:
@@ -107,14 +111,17 @@ def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]]) -> int:
     return failed
 
 
-def compile_all(jobs: list[tuple[Case, str, list[tuning.MMPlan]]], workers: int) -> None:
-    """Compile every plan's kernels in ``workers`` processes (round-robin shares)."""
+def compile_all(jobs: list[tuple[Case, str, list[tuning.MMPlan]]], workers: int,
+                budget_s: float) -> None:
+    """Compile every plan's kernels in ``workers`` processes (round-robin shares), for at most
+    ``budget_s`` seconds (what is left compiles when it is first timed)."""
+    deadline = time.time() + budget_s
     if workers <= 1:
-        _compile_jobs(jobs)
+        _compile_jobs(jobs, deadline)
         return
     shares = [jobs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        failed = sum(pool.map(_compile_jobs, shares))
+        failed = sum(pool.map(_compile_jobs, shares, [deadline] * workers))
     print(f"compiled in {workers} processes ({failed} launches failed)", file=sys.stderr)
 
 
@@ -186,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=float, default=6.0, help="ms of replays per plan")
     parser.add_argument("--time-budget", type=float, default=math.inf, metavar="S",
                         help="stop timing after S seconds (rows so far are kept)")
+    parser.add_argument("--compile-budget", type=float, default=math.inf, metavar="S",
+                        help="stop the parallel compiles after S seconds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
@@ -195,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for case in cases]
     total = sum(len(plans) for *_, plans in jobs)
     print(f"{len(jobs)} cases, {total} plans", file=sys.stderr)
-    compile_all([(case, dtype, plans) for case, dtype, _, plans in jobs], args.workers)
+    compile_all([(case, dtype, plans) for case, dtype, _, plans in jobs], args.workers,
+                args.compile_budget)
     print(f"compiled after {time.perf_counter() - start:.0f} s", file=sys.stderr)
     timed = 0
     with open(args.csv, "w", newline="") as file:

@@ -121,7 +121,10 @@ def collect_partials(acc, ws_ptr, locks_ptr, first, last, offs_m, offs_n, M, N,
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "first_tile", "units", "sk_tiles"])
+# Sizes and the pitches of C and of K splits are not specialised on (one compiled kernel serves
+# every size); the operands' strides are, for the portable kernel's vector loads.
+@triton.jit(do_not_specialize=["M", "N", "K", "stride_cm", "k_per_split", "first_tile", "units",
+                               "sk_tiles"])
 def mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
     M, N, K,
@@ -202,7 +205,10 @@ def store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                        stride_bias, HAS_BIAS, ACTIVATION)
 
 
-@triton.jit(do_not_specialize=["M", "first_tile", "units", "sk_tiles"])
+# TMA reads the operands whatever their sizes and (16-byte multiple) pitches: none of them is
+# specialised on, so one compiled kernel serves every shape of a layout.
+@triton.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+                               "stride_cm", "k_per_split", "first_tile", "units", "sk_tiles"])
 def mm_tma_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
     M, N, K,
