@@ -89,14 +89,17 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
     # 3 x 3 tiles of 16 x 32: the tail-split plans split 1 of them (the interpreter counts 4
     # SMs); 3 x 1 tiles of 16 x 128, whose partials go out in two column slices.
-    a = randn((40, 200), torch.float32, device)
-    b = randn((200, 90), torch.float32, device)
-    bias = randn((90,), torch.float32, device)
-    first = _run(PLANS[plan], a, b, bias, "relu", torch.float32)
-    # relu(x + bias) applied per split and summed would differ from relu of the sum.
-    assert rel_error(first, reference(a, b, bias, "relu")) <= 2e-3
-    for _ in range(3):
-        assert torch.equal(_run(PLANS[plan], a, b, bias, "relu", torch.float32), first)
+    # One 16 x 32 tile of two K steps: stream-K shares its 2 steps among the 4 programs, two
+    # of which get none (the tile's finishing program must not wait for them).
+    for m, n, k in ((40, 90, 200), (16, 32, 64)):
+        a = randn((m, k), torch.float32, device)
+        b = randn((k, n), torch.float32, device)
+        bias = randn((n,), torch.float32, device)
+        first = _run(PLANS[plan], a, b, bias, "relu", torch.float32)
+        # relu(x + bias) applied per split and summed would differ from relu of the sum.
+        assert rel_error(first, reference(a, b, bias, "relu")) <= 2e-3
+        for _ in range(3):
+            assert torch.equal(_run(PLANS[plan], a, b, bias, "relu", torch.float32), first)
 
 
 def test_k_zero_on_a_split_plan_gives_the_epilogue_of_bias(device):

@@ -98,10 +98,10 @@ def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]],
     its kernels, until ``deadline`` (time.time()); returns how many failed."""
     failed = 0
     for case, dtype, plans in jobs:
-        if time.time() > deadline:
-            break
         a, b, out = _operands(case, dtype)
         for plan in plans:
+            if time.time() > deadline:
+                return failed
             try:
                 _launch(plan, a, b, out)
             except Exception:  # noqa: BLE001 - timed (and reported) again by the main process
@@ -195,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stop timing after S seconds (rows so far are kept)")
     parser.add_argument("--compile-budget", type=float, default=math.inf, metavar="S",
                         help="stop the parallel compiles after S seconds")
+    parser.add_argument("--no-stream-k", action="store_true", help="leave stream-K plans out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
@@ -202,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
     jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
             for case in cases]
+    if args.no_stream_k:
+        jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
+                for c, d, aligned, plans in jobs]
     total = sum(len(plans) for *_, plans in jobs)
     print(f"{len(jobs)} cases, {total} plans", file=sys.stderr)
     compile_all([(case, dtype, plans) for case, dtype, _, plans in jobs], args.workers,

@@ -107,17 +107,21 @@ def publish_partial(acc, ws_ptr, locks_ptr, program, offs_m, offs_n, M, N,
 
 
 @triton.jit
-def collect_partials(acc, ws_ptr, locks_ptr, first, last, offs_m, offs_n, M, N,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
-    """acc plus the partials of programs [first, last), added in program order once each
-    program's flag is up; the flags are lowered again for the next launch. The programs of a
-    stream-K launch are all resident (one per SM), and those before ``last`` started first, so
-    the wait ends."""
-    for program in range(first, last):
+def collect_partials(acc, ws_ptr, locks_ptr, iteration, end, iterations, programs, offs_m,
+                     offs_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INDEX_64: tl.constexpr):
+    """acc plus the partials of the programs whose ranges hold stream-K iterations
+    [iteration, end), added in program order once each program's flag is up (programs with
+    empty ranges, when there are fewer iterations than programs, hold none and are skipped);
+    the flags are lowered again for the next launch. The programs of a stream-K launch are all
+    resident (one per SM), and the earlier ones started first, so the wait ends."""
+    while iteration < end:
+        program = stream_k_owner(iteration, iterations, programs)
         while tl.atomic_cas(locks_ptr + program, 1, 0, sem="acquire", scope="gpu") != 1:
             pass
         tl.debug_barrier()
         acc += load_partial(ws_ptr, program, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+        iteration = (program + 1) * iterations // programs
     return acc
 
 
@@ -271,9 +275,9 @@ def mm_tma_kernel(
                 publish_partial(acc, ws_ptr, locks_ptr, start, offs_m, offs_n, M, N,
                                 BLOCK_M, BLOCK_N, INDEX_64)
             else:
-                first = stream_k_owner(widen(tile, True) * k_tiles_all, iterations, programs)
-                acc = collect_partials(acc, ws_ptr, locks_ptr, first, start, offs_m, offs_n,
-                                       M, N, BLOCK_M, BLOCK_N, INDEX_64)
+                acc = collect_partials(acc, ws_ptr, locks_ptr, widen(tile, True) * k_tiles_all,
+                                       it, iterations, programs, offs_m, offs_n, M, N,
+                                       BLOCK_M, BLOCK_N, INDEX_64)
                 acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn,
                                    SCALING)
                 store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
