@@ -15,7 +15,8 @@ evenly among the persistent programs, each taking one contiguous range of (tile,
 before the remaining tiles run whole: a partial last wave then costs a fraction of a tile per SM,
 not a whole tile on a few of them. A program that ends inside a tile hands its fp32 partial over
 through the workspace and a flag; the program that finishes the tile adds the partials in program
-order (no float atomics: the same bits every run) and applies the epilogue once.
+order (no float atomics: the same bits every run) and applies the epilogue once. Each program works
+through its range from the end, so partials go out before anything waits for them.
 """
 
 import triton
@@ -125,10 +126,7 @@ def collect_partials(acc, ws_ptr, locks_ptr, iteration, end, iterations, program
     return acc
 
 
-# Sizes and the pitches of C and of K splits are not specialised on (one compiled kernel serves
-# every size); the operands' strides are, for the portable kernel's vector loads.
-@triton.jit(do_not_specialize=["M", "N", "K", "stride_cm", "k_per_split", "first_tile", "units",
-                               "sk_tiles"])
+@triton.jit(do_not_specialize=["M", "first_tile", "units", "sk_tiles"])
 def mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
     M, N, K,
@@ -253,12 +251,17 @@ def mm_tma_kernel(
         k_tiles_all = tl.cdiv(K, BLOCK_K)
         # (tile, K step) pairs in int64: times the program count they may pass 2**31.
         iterations = widen(sk_tiles, True) * k_tiles_all
-        it = start * iterations // programs
-        it_end = (start + 1) * iterations // programs
-        while it < it_end:
-            tile = (it // k_tiles_all).to(tl.int32)
-            k_first = (it - tile * k_tiles_all).to(tl.int32)
-            k_last = tl.minimum(k_tiles_all, k_first + it_end - it).to(tl.int32)
+        # This program's range of (tile, K step) pairs, worked through from its end: its last
+        # tile's partial goes out first, so the program finishing that tile never waits for
+        # this one's other work, and the tile this program finishes comes last.
+        first = start * iterations // programs
+        end = (start + 1) * iterations // programs
+        while end > first:
+            tile = ((end - 1) // k_tiles_all).to(tl.int32)
+            tile_start = widen(tile, True) * k_tiles_all
+            begin = tl.maximum(first, tile_start)
+            k_first = (begin - tile_start).to(tl.int32)
+            k_last = (end - tile_start).to(tl.int32)
             pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
@@ -275,15 +278,15 @@ def mm_tma_kernel(
                 publish_partial(acc, ws_ptr, locks_ptr, start, offs_m, offs_n, M, N,
                                 BLOCK_M, BLOCK_N, INDEX_64)
             else:
-                acc = collect_partials(acc, ws_ptr, locks_ptr, widen(tile, True) * k_tiles_all,
-                                       it, iterations, programs, offs_m, offs_n, M, N,
-                                       BLOCK_M, BLOCK_N, INDEX_64)
+                acc = collect_partials(acc, ws_ptr, locks_ptr, tile_start, begin, iterations,
+                                       programs, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N,
+                                       INDEX_64)
                 acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn,
                                    SCALING)
                 store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                         stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
                         EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
-            it += k_last - k_first
+            end = begin
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
     for unit in tl.range(start, units, programs, flatten=True,
                          warp_specialize=WARP_SPECIALIZE):
