@@ -155,7 +155,8 @@ def time_case(case: Case, dtype: str, plans: list[tuning.MMPlan], aligned: bool,
     chosen = chosen_plan(a, b, out)
     base = {**case.record(), "suite": case.suite, "name": case.name, "dtype": dtype,
             "aligned": aligned, "cublas_us": round(cublas, 3)}
-    for plan in plans:
+    # Stream-K plans last: a plan's timing should not follow spin-waiting kernels.
+    for plan in sorted(plans, key=lambda p: p.stream_k > 0):
         row = {**base, **_plan_fields(plan), "heuristic": plan == chosen}
         try:
             out.fill_(math.nan)
