@@ -42,6 +42,7 @@ class Machine:
 class TileCost:
     """Measured costs of one tile on one kernel, in microseconds."""
 
+    launch_us: float  # a launch of the kernel with this tile (larger shared memory costs more)
     step_us: float  # one BLOCK_K step of a whole tile on one SM
     tile_us: float  # per tile: prologue and epilogue
 
@@ -50,10 +51,16 @@ class TileCost:
 class Costs:
     """The fitted constants of the model (microseconds unless named otherwise)."""
 
-    launch_us: Mapping[str, float]  # per kernel ("tma", "portable") and "reduce", "copy"
+    launch_us: Mapping[str, float]  # of the split-K reduction ("reduce") and the copies ("copy")
     exchange_us: float  # a stream-K partial handed over and added
     tiles: Mapping[tuple[str, int, int, int, int], TileCost]  # (kernel, bm, bn, warps, stages)
     machine: Machine
+
+
+def cost_kernel(kernel: str, narrow: bool) -> str:
+    """The kernel name costs are kept under: the portable kernel reading operands whose pitches
+    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart."""
+    return "portable-narrow" if kernel == "portable" and narrow else kernel
 
 
 def _tile_key(kernel: str, tile: tuning.TileConfig) -> tuple[str, int, int, int, int]:
@@ -61,8 +68,9 @@ def _tile_key(kernel: str, tile: tuning.TileConfig) -> tuple[str, int, int, int,
 
 
 def tile_cost(costs: Costs, kernel: str, tile: tuning.TileConfig) -> TileCost:
-    """The fitted cost of ``tile`` on ``kernel``; an unfitted tile (a tuned or forced one)
-    takes the fitted tile nearest in size on the same kernel, scaled by the area ratio."""
+    """The fitted cost of ``tile`` on ``kernel`` (a ``cost_kernel`` name); an unfitted tile (a
+    tuned or forced one) takes the fitted tile nearest in size on the same kernel, scaled by the
+    area ratio."""
     key = _tile_key(kernel, tile)
     known = costs.tiles.get(key)
     if known is not None:
@@ -72,7 +80,7 @@ def tile_cost(costs: Costs, kernel: str, tile: tuning.TileConfig) -> TileCost:
     (_, bm, bn, _, _), cost = min(
         same, key=lambda kc: abs(math.log(kc[0][1] * kc[0][2] / area)))
     scale = area / (bm * bn)
-    return TileCost(cost.step_us * scale, cost.tile_us * scale)
+    return TileCost(cost.launch_us, cost.step_us * scale, cost.tile_us * scale)
 
 
 @dataclass(frozen=True)
@@ -118,18 +126,19 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
 
 
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
-               out_size: int, aligned: bool = True) -> float:
+               out_size: int, aligned: bool = True, narrow: bool = False) -> float:
     """Predicted kernel-only time of ``plan`` on an m x n x k product, in microseconds
-    (``aligned``: the operands can be described for TMA as they are)."""
+    (``aligned``: the operands can be described for TMA as they are; ``narrow``: their pitches
+    are not all multiples of 16 elements)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
-    cost = tile_cost(costs, plan.kernel, plan.tile)
+    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow), plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes
     bandwidth = min(machine.bytes_per_us, work.busy * machine.sm_bytes_per_us)
-    time = costs.launch_us[plan.kernel] + max(compute, bytes_moved / bandwidth)
+    time = cost.launch_us + max(compute, bytes_moved / bandwidth)
     if work.reduce:
         time += costs.launch_us["reduce"]
     if plan.kernel == "tma" and not aligned:
@@ -139,10 +148,11 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
 
 
 def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: int,
-              element_size: int, out_size: int, aligned: bool = True) -> tuning.MMPlan:
+              element_size: int, out_size: int, aligned: bool = True,
+              narrow: bool = False) -> tuning.MMPlan:
     """The plan of ``plans`` with the least predicted time (the first of equals)."""
     return min(plans, key=lambda p: predict_us(costs, p, m, n, k, element_size, out_size,
-                                               aligned))
+                                               aligned, narrow))
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:
@@ -151,3 +161,51 @@ def with_machine(costs: Costs, num_sms: int) -> Costs:
         return costs
     return dataclasses.replace(costs, machine=dataclasses.replace(costs.machine,
                                                                   num_sms=num_sms))
+
+
+# Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv (one H100
+# SXM, torch 2.11, Triton 3.6): kernel-only times of every plan of the plan space on 480 shapes.
+H100_COSTS = Costs(
+    launch_us={'reduce': 1.226, 'copy': 3.832},
+    exchange_us=0.7556,
+    tiles={
+        ('portable', 16, 64, 4, 4): TileCost(2.267, 0.7036, 1.54),
+        ('portable', 16, 64, 4, 6): TileCost(2.924, 0.3401, 1.012),
+        ('portable', 16, 128, 4, 4): TileCost(2.766, 0.5454, 1.196),
+        ('portable', 32, 64, 4, 4): TileCost(3.643, 0.4887, 0.2885),
+        ('portable', 32, 128, 4, 4): TileCost(2.335, 0.6374, 1.803),
+        ('portable', 64, 64, 4, 4): TileCost(2.506, 0.3575, 1.661),
+        ('portable', 64, 64, 4, 5): TileCost(3.327, 0.1893, 0.7986),
+        ('portable', 64, 128, 4, 4): TileCost(3.188, 0.2751, 1.032),
+        ('portable', 64, 256, 4, 4): TileCost(2.32, 0.388, 2.543),
+        ('portable', 128, 64, 4, 4): TileCost(4.398, 0.4524, 0.6237),
+        ('portable-narrow', 16, 64, 4, 4): TileCost(3.374, 25.1, 30.75),
+        ('portable-narrow', 16, 64, 4, 6): TileCost(3.645, 0.9683, 0.2253),
+        ('portable-narrow', 16, 128, 4, 4): TileCost(1.538, 5.038, 1.685),
+        ('portable-narrow', 32, 64, 4, 4): TileCost(3.637, 1.527, 1.263e-06),
+        ('portable-narrow', 32, 128, 4, 4): TileCost(5.422e-06, 11.64, 5.24e-06),
+        ('portable-narrow', 64, 64, 4, 4): TileCost(2.955, 4.408, 0.019),
+        ('portable-narrow', 64, 64, 4, 5): TileCost(3.394, 0.8108, 0.4588),
+        ('portable-narrow', 64, 128, 4, 4): TileCost(3.793, 2.334, 0.24),
+        ('portable-narrow', 64, 256, 4, 4): TileCost(5.444e-06, 13.59, 1.024),
+        ('portable-narrow', 128, 64, 4, 4): TileCost(0.0001452, 11.86, 0.62),
+        ('portable-narrow', 128, 128, 8, 5): TileCost(2.002, 2.176, 1.805),
+        ('tma', 16, 64, 4, 4): TileCost(4.464, 0.8833, 0.624),
+        ('tma', 16, 64, 4, 6): TileCost(4.956, 0.4597, 0.7323),
+        ('tma', 16, 128, 4, 4): TileCost(3.874, 0.6188, 1.651),
+        ('tma', 32, 64, 4, 4): TileCost(4.589, 0.5541, 0.9476),
+        ('tma', 32, 128, 4, 4): TileCost(3.822, 0.5321, 2.22),
+        ('tma', 64, 64, 4, 4): TileCost(5.477, 0.396, 0.4268),
+        ('tma', 64, 64, 4, 5): TileCost(5.935, 0.2227, 0.4126),
+        ('tma', 64, 128, 4, 4): TileCost(5.593, 0.3191, 0.8226),
+        ('tma', 64, 256, 4, 4): TileCost(4.427, 0.4969, 2.746),
+        ('tma', 128, 64, 4, 4): TileCost(5.677, 0.3544, 0.7352),
+        ('tma', 128, 128, 4, 4): TileCost(5.674, 0.4892, 2.086),
+        ('tma', 128, 128, 8, 4): TileCost(6.23, 0.4559, 1.474),
+        ('tma', 128, 128, 8, 5): TileCost(6.288, 0.3533, 0.9424),
+        ('tma', 128, 256, 8, 3): TileCost(7.223, 0.7481, 3.358),
+        ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6576, 2.135),
+        ('tma', 256, 128, 8, 3): TileCost(6.329, 0.8465, 3.227),
+    },
+    machine=Machine(132, 2.46e+06, 1.151e+05),
+)

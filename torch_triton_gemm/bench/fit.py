@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from .. import plan_model, tuning
 
-GLOBALS = ("launch_tma", "launch_portable", "launch_reduce", "launch_copy", "exchange_us",
-           "bytes_per_us", "sm_bytes_per_us")
+GLOBALS = ("launch_reduce", "launch_copy", "exchange_us", "bytes_per_us", "sm_bytes_per_us")
+PER_TILE = ("launch_us", "step_us", "tile_us")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Timed:
     element_size: int
     aligned: bool
     plan: tuning.MMPlan
+    narrow: bool  # an operand pitch is not a multiple of 16 elements
     us: float
     cublas_us: float
     heuristic: bool
@@ -61,46 +62,79 @@ def read(paths: Sequence[str]) -> list[Timed]:
                          r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
                 rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
                                   1 if r["dtype"].startswith("fp8") else 2,
-                                  r["aligned"] == "True", plan, float(r["us"]),
+                                  r["aligned"] == "True", plan, _narrow(r), float(r["us"]),
                                   float(r["cublas_us"]), r["heuristic"] == "True"))
     return rows
 
 
+def _narrow(r: dict[str, str]) -> bool:
+    """Whether a CSV row's operands have a pitch that is not a multiple of 16 elements (the
+    sweep's layouts: a row-major or transposed, b nn.Linear's W.t() or row-major, padded)."""
+    m, n, k = int(r["M"]), int(r["N"]), int(r["K"])
+    a_pitch = (k if r["a_layout"] == "row" else m) + int(r.get("a_pad") or 0)
+    b_pitch = (k if r["b_layout"] == "col" else n) + int(r.get("b_pad") or 0)
+    a_rows, b_rows = (m if r["a_layout"] == "row" else k), (n if r["b_layout"] == "col" else k)
+    return (a_rows > 1 and a_pitch % 16 != 0) or (b_rows > 1 and b_pitch % 16 != 0)
+
+
+def _key(r: Timed) -> tuple[str, int, int, int, int]:
+    return plan_model._tile_key(plan_model.cost_kernel(r.plan.kernel, r.narrow), r.plan.tile)
+
+
 def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
-    return sorted({plan_model._tile_key(r.plan.kernel, r.plan.tile) for r in rows})
+    return sorted({_key(r) for r in rows})
 
 
 def costs_from(vector: Sequence[float], keys: Sequence[tuple[str, int, int, int, int]],
                num_sms: int) -> plan_model.Costs:
-    """Costs from a parameter vector (logs of the constants: globals, then two per tile)."""
+    """Costs from a parameter vector (logs of the constants: the globals, then three per
+    tile)."""
     values = [math.exp(v) for v in vector]
     g = dict(zip(GLOBALS, values))
-    tiles = {key: plan_model.TileCost(values[len(GLOBALS) + 2 * i],
-                                      values[len(GLOBALS) + 2 * i + 1])
+    per = len(PER_TILE)
+    tiles = {key: plan_model.TileCost(*values[len(GLOBALS) + per * i:len(GLOBALS) + per * (i + 1)])
              for i, key in enumerate(keys)}
     return plan_model.Costs(
-        {"tma": g["launch_tma"], "portable": g["launch_portable"],
-         "reduce": g["launch_reduce"], "copy": g["launch_copy"]},
-        g["exchange_us"], tiles,
+        {"reduce": g["launch_reduce"], "copy": g["launch_copy"]}, g["exchange_us"], tiles,
         plan_model.Machine(num_sms, g["bytes_per_us"], g["sm_bytes_per_us"]))
 
 
 def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
-    """Least-squares fit of the log predicted time to the log measured time."""
+    """Least-squares fit of the log predicted time to the log measured time, on features of
+    each timed plan computed once (``plan_model.plan_work``): the same sum as
+    ``plan_model.predict_us``, in numpy."""
     import numpy as np
     from scipy.optimize import least_squares
 
     keys = _tile_keys(rows)
-    start = [math.log(v) for v in (3.0, 3.0, 2.0, 2.0, 0.5, 2.5e6, 3.0e4)]
-    start += [math.log(0.5), math.log(1.0)] * len(keys)
+    index = {key: i for i, key in enumerate(keys)}
+    works = [plan_model.plan_work(r.plan, r.m, r.n, r.k, num_sms) for r in rows]
+    tile = np.array([index[_key(r)] for r in rows])
+    steps = np.array([w.steps for w in works])
+    tiles = np.array([w.tiles for w in works])
+    exchanges = np.array([w.exchanges for w in works])
+    busy = np.array([w.busy for w in works], dtype=float)
+    reduce = np.array([w.reduce for w in works], dtype=float)
+    operand = np.array([(r.m * r.k + r.k * r.n) * r.element_size for r in rows], dtype=float)
+    moved = operand + np.array([r.m * r.n * r.element_size + w.extra_bytes
+                                for r, w in zip(rows, works)])
+    copied = np.array([r.plan.kernel == "tma" and not r.aligned for r in rows], dtype=float)
     measured = np.log([r.us for r in rows])
+    n_globals = len(GLOBALS)
 
-    def residuals(vector: np.ndarray) -> np.ndarray:
-        costs = costs_from(vector, keys, num_sms)
-        return np.log([plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, r.element_size,
-                                             r.element_size, r.aligned) for r in rows]) - measured
+    def predict(vector: np.ndarray) -> np.ndarray:
+        g = np.exp(vector[:n_globals])
+        per_tile = np.exp(vector[n_globals:]).reshape(len(keys), len(PER_TILE))
+        launch, step, per = per_tile[tile, 0], per_tile[tile, 1], per_tile[tile, 2]
+        compute = steps * step + tiles * per + exchanges * g[2]
+        bandwidth = np.minimum(g[3], busy * g[4])
+        time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
+        return time + copied * (g[1] + 2 * operand / g[3])
 
-    result = least_squares(residuals, start, loss="soft_l1", f_scale=0.2, max_nfev=200)
+    start = [math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4)]
+    start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys)
+    result = least_squares(lambda v: np.log(predict(v)) - measured, start, loss="soft_l1",
+                           f_scale=0.1, max_nfev=2000)
     return costs_from(result.x, keys, num_sms)
 
 
@@ -112,8 +146,10 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
     picked, oracle, heuristic, worst = [], [], [], []
     for timed in shapes.values():
         first = timed[0]
-        choice = min(timed, key=lambda r: plan_model.predict_us(
-            costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned))
+        # The planner leaves stream-K out (see tuning.plan_space's ``stream_k``).
+        eligible = [r for r in timed if not r.plan.stream_k] or timed
+        choice = min(eligible, key=lambda r: plan_model.predict_us(
+            costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned, r.narrow))
         best = min(timed, key=lambda r: r.us)
         picked.append(first.cublas_us / choice.us)
         oracle.append(first.cublas_us / best.us)
@@ -144,7 +180,8 @@ def costs_source(costs: plan_model.Costs) -> str:
              f"    launch_us={ {k: round(v, 3) for k, v in costs.launch_us.items()} },",
              f"    exchange_us={costs.exchange_us:.4g},", "    tiles={"]
     for key, cost in sorted(costs.tiles.items()):
-        lines.append(f"        {key}: TileCost({cost.step_us:.4g}, {cost.tile_us:.4g}),")
+        lines.append(f"        {key}: TileCost({cost.launch_us:.4g}, {cost.step_us:.4g}, "
+                     f"{cost.tile_us:.4g}),")
     m = costs.machine
     lines += ["    },", f"    machine=Machine({m.num_sms}, {m.bytes_per_us:.4g}, "
               f"{m.sm_bytes_per_us:.4g}),", ")"]

@@ -72,6 +72,10 @@ def chosen_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.M
     return prepare_launch(a, b, None, out, "none", False, plan, None).plan
 
 
+def _chosen_of(case: Case, dtype: str) -> tuning.MMPlan:
+    return chosen_plan(*_operands(case, dtype))
+
+
 def case_plans(case: Case, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
     """Whether the case's operands can be described for TMA as they are, and its plans: the
     plan space's and, last, the planner's choice when it is not among them."""
@@ -197,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compile-budget", type=float, default=math.inf, metavar="S",
                         help="stop the parallel compiles after S seconds")
     parser.add_argument("--no-stream-k", action="store_true", help="leave stream-K plans out")
+    parser.add_argument("--chosen-only", action="store_true",
+                        help="time only the plan the planner picks (its ratio to cuBLAS)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
@@ -204,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
     jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
             for case in cases]
+    if args.chosen_only:
+        jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.no_stream_k:
         jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
                 for c, d, aligned, plans in jobs]

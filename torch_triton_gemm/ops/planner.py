@@ -32,12 +32,28 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
         return tuning.symbolic_mm_plan(a.element_size())
     tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
-                 tma_args is not None and _device.supports_tma(a.device), not traceable, scales)
+                 tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
+                 _operand_view(a, b, out))
+
+
+def _operand_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[bool, bool]:
+    """(aligned, narrow): whether TMA describes the operands as they are (no copies), and
+    whether a pitch of theirs is not a multiple of 16 elements (no wide vector loads for the
+    portable kernel); the plan model weighs both."""
+    aligned = kernel_operands(a, b, out, pad=False)[0] is not None
+    narrow = False
+    for t in (a, b):
+        rows, cols = t.shape
+        for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
+            if size > 1 and pitch != 1 and pitch % 16:
+                narrow = True
+    return aligned, narrow
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
           out_size: int, layout: int, tma: bool, eager: bool,
-          scales: GemmScales | None = None) -> tuning.MMPlan:
+          scales: GemmScales | None = None,
+          view: tuple[bool, bool] | None = None) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
     plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
@@ -49,7 +65,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
     scaling, fast_accum = ("none", False) if scales is None else (scales.mode, scales.fast_accum)
     # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
     memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, plan_cache.TUNED.version,
-                scaling, fast_accum)
+                scaling, fast_accum, view)
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
@@ -63,9 +79,14 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
             if tuned is not None:
                 return tuned
     if plan is None:
+        aligned, narrow = (None, False) if view is None or device.type != "cuda" else view
+        if aligned is not None:
+            # The plan model weighs copying operands TMA cannot describe as they are.
+            tma = _device.supports_tma(device)
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
-                                        scaling=scaling, fast_accum=fast_accum)
+                                        scaling=scaling, fast_accum=fast_accum,
+                                        aligned=aligned, narrow=narrow)
     if len(_PLANS) >= _PLANS_LIMIT:
         _PLANS.clear()
     _PLANS[memo_key] = plan
