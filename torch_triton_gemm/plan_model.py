@@ -163,6 +163,23 @@ def with_machine(costs: Costs, num_sms: int) -> Costs:
                                                                   num_sms=num_sms))
 
 
+
+def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
+                  num_sms: int, aligned: bool, narrow: bool) -> tuning.MMPlan | None:
+    """The plan of the plan space (stream-K left out) with the least time the plan model
+    predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
+    SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
+    as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
+    elements (the portable kernel then loads without wide vectors). None where no plan of the
+    space fits the GPU's shared memory."""
+    costs = with_machine(H100_COSTS, num_sms)
+    plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
+             if not p.stream_k]
+    if not plans:  # no tile of the space fits (a GPU with little shared memory)
+        return None
+    return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow)
+
+
 # Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv (one H100
 # SXM, torch 2.11, Triton 3.6): kernel-only times of every plan of the plan space on 480 shapes.
 H100_COSTS = Costs(

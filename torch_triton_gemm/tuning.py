@@ -206,9 +206,10 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
                       num_sms: int, out_size: int = 4, a_k_contiguous: bool = True,
-                      scaling: str = "none", fast_accum: bool = False,
-                      aligned: bool | None = None, narrow: bool = False) -> MMPlan:
-    """The plan used for a shape nobody tuned, from its size class (rules read off kernel-only
+                      scaling: str = "none", fast_accum: bool = False) -> MMPlan:
+    """The plan used for a shape nobody tuned where the plan model does not choose (fp32 and
+    fp8 operands, scaled recipes, GPUs without fitted costs; see ``plan_model.modelled_plan``),
+    from its size class (rules read off kernel-only
     timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
     - M <= 32 (decode, small batches): memory-bound on B; 16- or 32-row tiles on the portable
@@ -228,8 +229,6 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
-    if element_size == 2 and scaling == "none" and aligned is not None:
-        return modelled_plan(m, n, k, element_size, out_size, tma, num_sms, aligned, narrow)
 
     def tiles(bm: int, bn: int) -> int:
         return -(-m // bm) * -(-n // bn)
@@ -281,25 +280,6 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         plan = MMPlan("tma", tile, split, epilogue_subtile=subtile)
         return _scaled_tma_plan(plan, m, n, k, num_sms, scaling, fast_accum)
     return MMPlan("portable", tile, split)
-
-
-def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
-                  num_sms: int, aligned: bool, narrow: bool) -> MMPlan:
-    """The plan of the plan space (stream-K left out) with the least time the plan model
-    predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
-    SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
-    as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
-    elements (the portable kernel then loads without wide vectors)."""
-    from . import plan_model
-
-    costs = plan_model.with_machine(plan_model.H100_COSTS, num_sms)
-    plans = [p for p in plan_space(m, n, k, element_size, tma, num_sms, aligned)
-             if not p.stream_k]
-    if not plans:  # no tile of the space fits (a GPU with little shared memory)
-        return MMPlan("portable", _fit_shared_memory(
-            _for_dtype(TileConfig(64, 64, 64, 8, 4, 2), element_size), element_size,
-            _device.shared_memory_per_block(0)))
-    return plan_model.best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow)
 
 
 def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling: str,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import device as _device
-from .. import plan_cache, tuning
+from .. import plan_cache, plan_model, tuning
 from .launcher import GemmScales, num_sms
 from .operands import kernel_operands, layout_key
 
@@ -54,7 +54,8 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
           out_size: int, layout: int, tma: bool, eager: bool,
           scales: GemmScales | None = None,
           view: tuple[bool, bool] | None = None) -> tuning.MMPlan:
-    """The launch plan: a forced one (tests, tuning), else the tuned table's, else the
+    """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
+    operands on a GPU, the plan model's (``view``: see ``_operand_view``), else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
     plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
     heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
@@ -78,15 +79,15 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
             tuned = tune_on_first_use(a, b, bias, activation)
             if tuned is not None:
                 return tuned
+    if plan is None and view is not None and device.type == "cuda" and scales is None and (
+            a.element_size() == 2):
+        # The plan model weighs copying operands TMA cannot describe as they are.
+        plan = plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
+                                        num_sms(device), *view)
     if plan is None:
-        aligned, narrow = (None, False) if view is None or device.type != "cuda" else view
-        if aligned is not None:
-            # The plan model weighs copying operands TMA cannot describe as they are.
-            tma = _device.supports_tma(device)
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
-                                        scaling=scaling, fast_accum=fast_accum,
-                                        aligned=aligned, narrow=narrow)
+                                        scaling=scaling, fast_accum=fast_accum)
     if len(_PLANS) >= _PLANS_LIMIT:
         _PLANS.clear()
     _PLANS[memo_key] = plan
