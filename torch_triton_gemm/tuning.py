@@ -512,6 +512,10 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         tile = _for_dtype(base, element_size)
         if not _fits_problem(tile, m, n) or shared_memory_bytes(tile, element_size) > smem:
             continue
+        # One-row bands (GROUP_M = 1) stream all of B once per tile row: only where one tile
+        # row covers M (an H100 at 32 x 12288 x 4096 with 16-row tiles: 0.53x cuBLAS).
+        if tile.group_m == 1 and m > tile.block_m:
+            continue
         tiles = output_tiles(m, n, tile)
         k_steps = -(-k // tile.block_k)
         split = _round_split(_split_for(m, n, k, tile, num_sms, element_size))
@@ -522,8 +526,9 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
             options.append(dict(split_k=tail, split_tail=True))
         # Where TMA can read the operands, the portable kernel only competes on skinny tiles
         # (it streamed B as fast as TMA there).
+        # (and not on 256-wide tiles, whose times there varied from run to run by 10-30%).
         plans = [MMPlan("portable", tile, **o) for o in options] if (
-            not tma or tile.block_m <= 64) else []
+            not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:
