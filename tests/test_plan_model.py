@@ -1,0 +1,103 @@
+"""The plan model and the plan space it chooses from: pure Python of shapes and plans, checked
+on CPU against the H100 timings kept in docs/data (every plan of the space on 480 shapes)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+
+import pytest
+
+from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm import plan_model, tuning
+from torch_triton_gemm.bench import fit
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data",
+                    "plans-h100-seed1.csv")
+H100_SHARED_MEMORY = 232448
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """The plan space as an H100 sees it (its shared memory), on any host."""
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: H100_SHARED_MEMORY)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def test_model_picks_beat_the_heuristic_they_replaced_on_the_h100_data(h100):
+    """Per shape of the H100 sweep, the model's pick among the timed plans against cuBLAS: above
+    the rule-based heuristic's plan, and within 10% of the fastest timed plan (geometric
+    means). A change to the model or to the costs that makes its picks worse fails here."""
+    rows = fit.read([DATA])
+    shapes: dict[tuple[object, ...], list[fit.Timed]] = {}
+    for row in rows:
+        shapes.setdefault(row.shape, []).append(row)
+    picked, heuristic, fastest = [], [], []
+    for timed in shapes.values():
+        old = [r for r in timed if r.heuristic]
+        eligible = [r for r in timed if not r.plan.stream_k]
+        if not old or not eligible:
+            continue
+        choice = min(eligible, key=lambda r: plan_model.predict_us(
+            plan_model.H100_COSTS, r.plan, r.m, r.n, r.k, 2, 2, r.aligned, r.narrow))
+        cublas = timed[0].cublas_us
+        picked.append(cublas / choice.us)
+        heuristic.append(cublas / old[0].us)
+        fastest.append(cublas / min(r.us for r in timed))
+    assert len(picked) > 400
+    assert _geomean(picked) > 1.1 * _geomean(heuristic)
+    assert _geomean(picked) > 0.9 * _geomean(fastest)
+
+
+@pytest.mark.parametrize("m, n, k, aligned, narrow", [
+    (1, 4096, 4096, True, False), (32, 12288, 4096, True, False), (1000, 1000, 1000, True, True),
+    (999, 1003, 1007, False, True), (8192, 8192, 8192, True, False),
+    (128, 128, 32768, True, False)])
+def test_modelled_plans_come_from_the_space_without_stream_k_or_one_row_bands(h100, m, n, k,
+                                                                             aligned, narrow):
+    plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, aligned, narrow)
+    assert plan in list(tuning.plan_space(m, n, k, 2, True, 132, aligned))
+    assert plan.stream_k == 0
+    assert plan.tile.group_m > 1 or m <= plan.tile.block_m
+    # Operands TMA cannot read as they are get copied for a TMA plan.
+    assert plan.kernel == "portable" or plan.pad == (None if aligned else True)
+
+
+def test_outputs_narrower_than_every_tile_of_the_space_leave_the_choice_to_the_heuristic(h100):
+    # No tile of the space is under 64 columns wide: N = 8 gets no modelled plan, and the
+    # planner falls back to tuning.heuristic_mm_plan.
+    assert plan_model.modelled_plan(4096, 8, 4096, 2, 2, True, 132, True, True) is None
+
+
+def test_plan_space_keeps_one_row_bands_and_wide_portable_tiles_where_they_serve(h100):
+    skinny = list(tuning.plan_space(32, 12288, 4096, 2, True, 132))
+    assert all(p.tile.group_m > 1 or p.tile.block_m >= 32 for p in skinny)
+    assert any(p.tile.block_m == 16 for p in tuning.plan_space(16, 12288, 4096, 2, True, 132))
+    aligned = list(tuning.plan_space(2048, 2048, 2048, 2, True, 132))
+    assert not any(p.kernel == "portable" and p.tile.block_n > 128 for p in aligned)
+    unaligned = list(tuning.plan_space(2047, 2049, 2051, 2, False, 132))
+    assert any(p.kernel == "portable" and p.tile.block_n > 128 for p in unaligned)
+
+
+def test_work_counts_waves_splits_and_stream_k_shares():
+    tile = tuning.TileConfig(128, 128, 64, 8, 8, 4)
+    # 1536^3: 144 tiles of 24 K steps on 132 SMs: two rounds whole, one round and a share of
+    # the 12 tiles' steps with stream-K, every SM busy.
+    whole = plan_model.plan_work(tuning.MMPlan("tma", tile), 1536, 1536, 1536, 132)
+    assert (whole.steps, whole.tiles, whole.busy) == (48, 2, 132)
+    shared = plan_model.plan_work(tuning.MMPlan("tma", tile, stream_k=1), 1536, 1536, 1536, 132)
+    assert shared.steps == 24 + math.ceil(12 * 24 / 132) and shared.busy == 132
+    assert shared.exchanges > 0 and not shared.reduce
+    split = plan_model.plan_work(tuning.MMPlan("tma", tile, split_k=4), 256, 256, 16384, 132)
+    assert split.reduce and split.steps == 64 and split.extra_bytes > 0
+
+
+def test_predicted_time_grows_with_the_work(h100):
+    plan = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3), epilogue_subtile=2)
+    times = [plan_model.predict_us(plan_model.H100_COSTS, plan, s, s, s, 2, 2)
+             for s in (1024, 2048, 4096, 8192)]
+    assert times == sorted(times) and times[-1] > 8 * times[1]
