@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import suites
 from .results import (
@@ -527,17 +527,25 @@ def _pyplot() -> ModuleType | None:
     return plt
 
 
+def _plot_input(results: Sequence[GemmResult]) -> tuple[list[GemmResult], Any, list[str]] | None:
+    """The measured rows, pyplot and the dtypes (one panel each) of a plot; None when nothing
+    was measured or matplotlib is missing (said on stderr)."""
+    measured = [r for r in results if not r.error]
+    if not measured:
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    return measured, plt, list(dict.fromkeys(r.dtype for r in measured))
+
+
 def write_plot(path: str, results: Sequence[GemmResult]) -> bool:
     """Bar chart of tgemm vs torch kernel-only TFLOP/s per mm row, one panel per dtype; False
     (with a message on stderr) when matplotlib is missing or nothing was measured."""
-    results = [r for r in results if not r.error]
-    if not results:
+    ready = _plot_input(results)
+    if ready is None:
         return False
-    plt = _pyplot()
-    if plt is None:
-        return False
-
-    dtype_names = list(dict.fromkeys(r.dtype for r in results))
+    results, plt, dtype_names = ready
     widest = max(sum(r.dtype == d for r in results) for d in dtype_names)
     fig, axes = plt.subplots(len(dtype_names), 1, squeeze=False,
                              figsize=(max(8.0, 0.4 * widest + 2), 4.5 * len(dtype_names)))
@@ -566,14 +574,10 @@ def write_ratio_plot(path: str, results: Sequence[GemmResult]) -> bool:
     """Scatter plot of speed / torch speed against M*N*K (both log scales), kernel-only and
     eager (and Inductor's where it ran), one panel per dtype, for the sweep's many shapes;
     False (with a message on stderr) when matplotlib is missing or nothing was measured."""
-    results = [r for r in results if not r.error]
-    if not results:
+    ready = _plot_input(results)
+    if ready is None:
         return False
-    plt = _pyplot()
-    if plt is None:
-        return False
-
-    dtype_names = list(dict.fromkeys(r.dtype for r in results))
+    results, plt, dtype_names = ready
     fig, axes = plt.subplots(len(dtype_names), 1, squeeze=False,
                              figsize=(9.0, 5.0 * len(dtype_names)))
     markers = {("tgemm", "kernel"): "o", ("tgemm", "eager"): "x", ("inductor", "kernel"): "^",
