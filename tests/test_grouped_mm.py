@@ -20,6 +20,7 @@ from test_mm import _run_without_interpreter
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import tuning
+from torch_triton_gemm.ops import grouped_launch
 from torch_triton_gemm.ops import grouped_mm as grouped_module
 from torch_triton_gemm.ops import grouped_mm_list as grouped_list_module
 from torch_triton_gemm.ops.grouped_mm import launch_grouped_mm
@@ -177,8 +178,8 @@ def test_matches_float64_reference(device, dtype, highest_fp32):
 
 def _loaders(s: GroupedSample) -> tuple[bool, bool, bool]:
     """(TMA loads?, a contiguous along M?, b contiguous along K?) as the launch chooses them."""
-    problem = grouped_module._Problem(s.form, s.a, s.b, torch.empty(0), s.offs, s.bias)
-    use_tma, _, _, flags = grouped_module._tma_loads(s.form, s.a, s.b, problem)
+    problem = grouped_launch.Problem(s.form, s.a, s.b, torch.empty(0), s.offs, s.bias)
+    use_tma, _, _, flags = grouped_launch.tma_loads(s.form, s.a, s.b, problem)
     return use_tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"]
 
 
@@ -372,9 +373,9 @@ def test_bad_offs_values_raise_before_launch(device, case, monkeypatch):
     values, message = BAD_OFFS[case]
     s = make_sample("m", "nt", torch.float16, device)
     offs = torch.tensor(values, dtype=torch.int32, device=device)
-    monkeypatch.setattr(grouped_module, "_run_grouped_launch", _no_launch)
+    monkeypatch.setattr(grouped_module, "run_grouped_launch", _no_launch)
     # GPU offs are checked only on request (reading them syncs with the device).
-    monkeypatch.setattr(grouped_module, "_offs_check_mode", lambda: "always")
+    monkeypatch.setattr(grouped_launch, "offs_check_mode", lambda: "always")
     with pytest.raises(ValueError, match=re.escape(message)):
         tg.grouped_mm(s.a, s.b, offs)
 
@@ -414,11 +415,11 @@ def test_bad_offs_unchecked_stay_in_bounds(device, monkeypatch):
     """With the value check off (the default for GPU tensors), any offs is clamped in the
     kernel: operands and output sit inside NaN-filled buffers, and no NaN is read into a group
     or written outside the output."""
-    monkeypatch.setattr(grouped_module, "_offs_check_mode", lambda: "never")
+    monkeypatch.setattr(grouped_launch, "offs_check_mode", lambda: "never")
     dtype = torch.float16
     for form, layout in (("m", "nt"), ("n", "nt"), ("k", "tn")):  # layouts TMA can load
         s = make_sample(form, layout, dtype, device)
-        length = grouped_module._grouped_length(form, s.a, s.b)
+        length = grouped_launch.grouped_length(form, s.a, s.b)
         for i, values in enumerate(([9, 3, 30, 41], [-5, 100, 2, 7], [length + 9] * G,
                                     [-1, -1, -1, -1])):
             pad = 7 + i % 2  # misaligned (pointer loaders) or 16-byte aligned (TMA) operands
@@ -458,9 +459,9 @@ def test_offs_check_setting(monkeypatch):
     for value, mode in (("1", "always"), ("always", "always"), ("0", "never"), ("", "auto"),
                         ("auto", "auto")):
         monkeypatch.setenv("TORCH_TRITON_GEMM_CHECK_OFFS", value)
-        grouped_module._offs_check_mode.cache_clear()
-        assert grouped_module._offs_check_mode() == mode
-    grouped_module._offs_check_mode.cache_clear()
+        grouped_launch.offs_check_mode.cache_clear()
+        assert grouped_launch.offs_check_mode() == mode
+    grouped_launch.offs_check_mode.cache_clear()
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -516,7 +517,7 @@ def _no_launch(*_args, **_kwargs):
 @pytest.mark.parametrize("case", range(17))
 def test_bad_input_raises_before_launch(device, case, monkeypatch):
     args, kwargs, error, message = _bad_inputs(device)[case]
-    monkeypatch.setattr(grouped_module, "_run_grouped_launch", _no_launch)
+    monkeypatch.setattr(grouped_module, "run_grouped_launch", _no_launch)
     with pytest.raises(error, match=re.escape(message)):
         tg.grouped_mm(*args, **kwargs)
     with pytest.raises(error, match=re.escape(message)):
@@ -844,7 +845,7 @@ def test_gpu_moe_shapes_match_torch(skewed):
 def test_gpu_heuristic_tile_classes_match_torch(tokens, experts, n, block, skewed):
     x, w, offs = _moe_problem(tokens, experts, 512, n, skewed=skewed)
     s = GroupedSample(x, w.transpose(-2, -1), offs, None, "m", "moe")
-    tile, _ = grouped_module._tile("m", experts, tokens, n, 2, _loaders(s)[0], 2, 132)
+    tile, _ = grouped_launch.choose_tile("m", experts, tokens, n, 2, _loaders(s)[0], 2, 132)
     if block == (128, 256) and not _loaders(s)[0]:
         block = (128, 128)  # GPUs without TMA
     assert (tile.block_m, tile.block_n) == block
@@ -872,6 +873,13 @@ def test_tma_stores_only_for_groups_of_many_tiles(monkeypatch):
     assert tuning.grouped_tma_store(wide, 16, 16, 132)
 
 
+def _runtime_arg_index(name: str) -> int:
+    """Where the grouped kernel's argument ``name`` sits in a GroupedLaunch's ``args`` (the
+    runtime arguments after the tensors, from G on)."""
+    names = grouped_launch.grouped_mm_kernel.arg_names
+    return names.index(name) - names.index("G")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1024, 8192])
 def test_gpu_weight_gradients_store_through_tma(tokens):
@@ -883,13 +891,14 @@ def test_gpu_weight_gradients_store_through_tma(tokens):
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
     out = torch.full((experts, k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    launch = grouped_module.prepare_grouped_launch(x.t(), grad, offs, None, out, False)
+    launch = grouped_launch.prepare_grouped_launch(grouped_module.OP, x.t(), grad, offs, None,
+                                                   out, False)
     tma = tgemm_device.supports_tma(x.device)
-    c_tma = grouped_module.grouped_mm_kernel.arg_names.index("C_TMA") - 5  # after 5 tensors
+    c_tma = _runtime_arg_index("C_TMA")
     assert launch.tma == tma and launch.args[c_tma] == tma
     if tma:
         assert (launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]) == (128, 256)
-    grouped_module._run_grouped_launch(launch, x.t(), grad, offs, None, out, traceable=False)
+    grouped_launch.run_grouped_launch(launch, x.t(), grad, offs, None, out, traceable=False)
     rows = tokens // experts
     ref = torch.stack([xg.double().t() @ gg.double()
                        for xg, gg in zip(x.split(rows), grad.split(rows))])
@@ -910,14 +919,15 @@ def test_gpu_tma_stores_clip_at_group_ends(subtile):
     x, w, offs = _moe_problem(1963, 8, 512, 2048, skewed=True)
     x = torch.cat([x, torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)])  # past offs
     grad = torch.randn(2000, 768, device="cuda", dtype=torch.bfloat16)
-    c_tma = grouped_module.grouped_mm_kernel.arg_names.index("C_TMA") - 5
+    c_tma = _runtime_arg_index("C_TMA")
     for a, b in ((x, w.transpose(-2, -1)), (x.t(), grad)):
         ref, written = reference(a, b, offs)
         out = torch.full(ref.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch = grouped_module.prepare_grouped_launch(a, b, offs, None, out, False)
+        launch = grouped_launch.prepare_grouped_launch(grouped_module.OP, a, b, offs, None,
+                                                       out, False)
         assert launch.tma
         args = (*launch.args[:c_tma], True, subtile, *launch.args[c_tma + 2:])
-        grouped_module._run_grouped_launch(launch._replace(args=args), a, b, offs, None, out,
+        grouped_launch.run_grouped_launch(launch._replace(args=args), a, b, offs, None, out,
                                            traceable=False)
         assert rel_error(out[written], ref[written]) <= 1e-2
         assert out[~written].isnan().all()
@@ -1027,7 +1037,7 @@ def test_gpu_checked_offs_mode(monkeypatch):
     ref, written = reference(x, w.transpose(-2, -1),
                              torch.tensor(_clamped(bad.tolist(), 256), dtype=torch.int32))
     assert rel_error(out[written], ref[written]) <= 1e-2
-    monkeypatch.setattr(grouped_module, "_offs_check_mode", lambda: "always")
+    monkeypatch.setattr(grouped_launch, "offs_check_mode", lambda: "always")
     with pytest.raises(ValueError, match="offs must be non-decreasing"):
         tg.grouped_mm(x, w.transpose(-2, -1), bad)
 

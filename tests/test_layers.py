@@ -20,7 +20,7 @@ OPS = tuple(f"{PACKAGE}.ops.{name}" for name in ("mm", "grouped_mm", "grouped_mm
                                                    "scaled_mm"))
 # The layers beneath the ops: planning, launching and what both read.
 LAYERS = tuple(f"{PACKAGE}.ops.{name}" for name in ("checks", "operands", "launcher",
-                                                      "planner"))
+                                                      "grouped_launch", "planner"))
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -3,19 +3,30 @@
 ``grouped_mm_kernel`` serves torch._grouped_mm's forms, where groups are ranges of one dimension
 given by cumulative ends ``offs`` read on the device (GROUPED = "m": rows of a 2-D A and of C;
 "n": columns of a 2-D B and of C; "k": the contraction of a 2-D A and a 2-D B, one [M, N] output
-per group), or the entries of a batch (GROUPED = "none"). ``grouped_mm_list_kernel`` serves
-independent problems of any sizes whose addresses, sizes and strides come from a table.
+per group), or the entries of a batch (GROUPED = "none"); with fp8 scales (SCALING) it also
+serves torch._scaled_grouped_mm's. ``grouped_mm_list_kernel`` serves independent problems of any
+sizes whose addresses, sizes and strides come from a table.
 
 Both walk the tiles of all groups the same way; a tile is computed by the shared pieces of
-tiles.py (``k_loop`` or ``accumulate``, ``store_epilogue``) with operands loaded through pointers
-or through the TMA descriptors of tma.py. What is grouped-specific lives here: group extents from
-offs, the persistent walk over the groups' tiles, and the list kernel's problem table.
+tiles.py (``k_loop`` or ``accumulate``, ``step_scales`` and ``outer_scales`` for scaled products,
+``store_epilogue``) with operands loaded through pointers or through the TMA descriptors of tma.py.
+What is grouped-specific lives here: group extents from offs, the persistent walk over the groups'
+tiles, and the list kernel's problem table.
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import accumulate, bias_activation, grouped_tile, k_loop, store_epilogue, widen
+from .tiles import (
+    accumulate,
+    bias_activation,
+    grouped_tile,
+    k_loop,
+    outer_scales,
+    step_scales,
+    store_epilogue,
+    widen,
+)
 from .tma import load_operand, operand_descriptor, store_tile
 
 # Columns of the list kernel's problem table (int64, one row per problem).
@@ -77,29 +88,41 @@ def group_problem(offs_ptr, g, start, M, N, K, GROUPED: tl.constexpr):
 # --- one output tile ------------------------------------------------------------------------------
 
 @triton.jit
+def wrapped(start, end, offs, INDEX_64: tl.constexpr):
+    """Indices ``start + offs`` of a group's range [start, end), those past its end wrapped
+    inside it: they address valid operand rows (or columns) and scales, and are not stored."""
+    return widen(start + offs % (end - start), INDEX_64)
+
+
+@triton.jit
 def pointer_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, m0, m1, n0, n1, k_size, pid_m, pid_n,
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, m0, m1, n0, n1, k_size, pid_m, pid_n,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
+    stride_sam, stride_sak, stride_sbk, stride_sbn,
     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
-    INDEX_64: tl.constexpr,
+    INDEX_64: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
+    SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Compute and store tile (pid_m, pid_n) of rows [m0, m1) x columns [n0, n1) of C through
-    pointers; a_ptr and b_ptr point at the first contraction index of the problem.
+    pointers; a_ptr and b_ptr point at the first contraction index of the problem, sa_ptr and
+    sb_ptr at the problem's scales (read as SCALING says, see tiles.py's ``accumulate``; not
+    read by unscaled products).
 
     Rows and columns past the range are read wrapped inside it (no load masks) and not stored.
     """
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Unscaled products: the scale pointers and strides of k_loop are not read.
+    in_rows = wrapped(m0, m1, rows, INDEX_64)
+    in_cols = wrapped(n0, n1, cols, INDEX_64)
     acc = k_loop(
-        a_ptr, b_ptr,
-        widen(m0 + rows % (m1 - m0), INDEX_64), widen(n0 + cols % (n1 - n0), INDEX_64), 0, k_size,
+        a_ptr, b_ptr, in_rows, in_cols, 0, k_size,
         stride_am, stride_ak, stride_bk, stride_bn,
-        a_ptr, b_ptr, 0, 0, 0, 0,
+        sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-        "none", 1, 1, False,
+        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
     )
+    acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn, SCALING)
     store_epilogue(
         acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1, n1,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
@@ -110,13 +133,16 @@ def pointer_tile(
 
 @triton.jit
 def grouped_mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,
     G, M, N, K,
     stride_ag, stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_cg, stride_cm, stride_cn,
     stride_bias_g, stride_bias_n,
+    stride_sag, stride_sam, stride_sak,
+    stride_sbg, stride_sbk, stride_sbn,
     GROUPED: tl.constexpr, ZERO_TAIL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     USE_TMA: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
     C_TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
@@ -134,6 +160,11 @@ def grouped_mm_kernel(
     # the group's bias, casts, and stores the rows and columns inside the group. ZERO_TAIL then
     # writes zeros past the last group ("m": rows of C, "n": columns of C); without it they are
     # left as they were. M, N and K are the full extents (the grouped one included).
+    # SCALING (fp8, tiles.py's ``accumulate``): "outer" multiplies each tile by its rows' scale_a
+    # and its columns' scale_b after the K loop; "block" scales every K step's product by its
+    # 128-wide K block's scales (groups then never split K: GROUPED is not "k"). A group's
+    # scales start at sa_ptr + g * stride_sag and sb_ptr + g * stride_sbg, indexed by the rows
+    # and columns of the full operands, as the operands are.
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -152,6 +183,11 @@ def grouped_mm_kernel(
             bias_g = bias_ptr
             if HAS_BIAS:
                 bias_g = bias_ptr + gw * stride_bias_g
+            sa_g = sa_ptr
+            sb_g = sb_ptr
+            if SCALING != "none":
+                sa_g = sa_ptr + gw * stride_sag
+                sb_g = sb_ptr + gw * stride_sbg
             if USE_TMA:
                 # The descriptors end at the group's last row, column and contraction index.
                 k_end = tl.maximum(k1, 1)
@@ -169,15 +205,24 @@ def grouped_mm_kernel(
                                                 BLOCK_M, BLOCK_N, GROUP_M)
                     off_m = m0 + pid_m * BLOCK_M
                     off_n = n0 + pid_n * BLOCK_N
+                    # The rows and columns whose scales the tile reads (unscaled products: none).
+                    scale_rows = wrapped(m0, m1, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                                         INDEX_64)
+                    scale_cols = wrapped(n0, n1, pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
+                                         INDEX_64)
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     k = k0
                     for _ in range(k_tiles):
                         a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
                         b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
-                        # Unscaled products: no scales.
-                        acc = accumulate(acc, a, b, 1.0, 1.0, INPUT_PRECISION, UPCAST_TO_FP32,
-                                         "none", False)
+                        sa, sb = step_scales(sa_g, sb_g, scale_rows, scale_cols, k, k1,
+                                             stride_sam, stride_sak, stride_sbk, stride_sbn,
+                                             SCALING, SA_ROWS, SB_COLS)
+                        acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32,
+                                         SCALING, FAST_ACCUM)
                         k += BLOCK_K
+                    acc = outer_scales(acc, sa_g, sb_g, scale_rows, scale_cols, stride_sam,
+                                       stride_sbn, SCALING)
                     cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
                     if C_TMA:
                         acc = bias_activation(acc, bias_g, cols, n1, stride_bias_n, HAS_BIAS,
@@ -196,11 +241,12 @@ def grouped_mm_kernel(
                                                 BLOCK_M, BLOCK_N, GROUP_M)
                     kw = widen(k0, INDEX_64)
                     pointer_tile(
-                        a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g,
+                        a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g, sa_g, sb_g,
                         m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                        stride_bias_n, HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-                        BLOCK_M, BLOCK_N, BLOCK_K,
+                        stride_bias_n, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                        HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+                        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, BLOCK_M, BLOCK_N, BLOCK_K,
                     )
                     tile += num_programs
         tiles_before = tiles_end
@@ -273,10 +319,12 @@ def grouped_mm_list_kernel(
                 stride_cn = 1
             while tile < tiles_end:
                 pid_m, pid_n = grouped_tile(tile - tiles_before, m, n, BLOCK_M, BLOCK_N, GROUP_M)
+                # Unscaled products: the scale pointers and strides are not read.
                 pointer_tile(
-                    a_g, b_g, c_g, c_g, 0, m, 0, n, k, pid_m, pid_n,
+                    a_g, b_g, c_g, c_g, a_g, b_g, 0, m, 0, n, k, pid_m, pid_n,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
-                    False, INPUT_PRECISION, UPCAST_TO_FP32, True, BLOCK_M, BLOCK_N, BLOCK_K,
+                    0, 0, 0, 0, False, INPUT_PRECISION, UPCAST_TO_FP32, True,
+                    "none", 1, 1, False, BLOCK_M, BLOCK_N, BLOCK_K,
                 )
                 tile += num_programs
         tiles_before = tiles_end
