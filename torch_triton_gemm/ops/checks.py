@@ -1,19 +1,21 @@
 """Argument checks and per-call facts that the ops share: the bottom of ops/, plain torch.
 
-Each op (ops/mm.py, grouped_mm.py, scaled_mm.py, grouped_mm_list.py) checks its own contract
-with these helpers, and tuning its device; the launcher and the ops' eager paths read the facts
-(int64 indexing, tl.dot's input precision, fp32 matmul precision, the default out dtype). No
-plan, no kernel, no import from the package.
+Each op (ops/mm.py, grouped_mm.py, scaled_mm.py, scaled_grouped_mm.py, grouped_mm_list.py)
+checks its own contract with these helpers, and tuning its device; the launcher and the ops'
+eager paths read the facts (int64 indexing, tl.dot's input precision, fp32 matmul precision,
+the default out dtype). No plan, no kernel, no import from the package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCKWISE_K = 128  # K elements per blockwise fp8 scale (1x128 and 128x128 blocks)
 _INT32_LIMIT = 2**31 - 1
 
 
@@ -72,6 +74,30 @@ def check_epilogue_args(op: str, out_dtype: torch.dtype, bias: torch.Tensor | No
         check_value(
             bias.dtype in OUT_DTYPES,
             lambda: f"{op}: bias has dtype {bias.dtype}; supported: {OUT_DTYPES}")
+
+
+def ceil_div(x: Any, y: int) -> Any:
+    return (x + y - 1) // y
+
+
+def blockwise_scale_blocks(scale_a_shape: tuple[Any, ...], scale_b_shape: tuple[Any, ...],
+                           m: Any, n: Any, k: Any) -> tuple[int | None, int | None]:
+    """How blockwise fp8 scales of an [M, K] x [K, N] product cover their operands, read from
+    their shapes as torch._scaled_mm reads them: rows of a per scale_a entry (1 for 1x128
+    blocks, scale_a [M, kb]; 128 for 128x128 blocks, [ceil(M/128), kb]) and columns of b per
+    scale_b entry (1: [kb, N]; 128: [kb, ceil(N/128)]), with kb = ceil(K/128); None for a
+    shape that fits neither (1x128 is read first where both fit)."""
+    kb = ceil_div(k, BLOCKWISE_K)
+    a_rows = b_cols = None
+    if scale_a_shape == (m, kb):
+        a_rows = 1
+    elif scale_a_shape == (ceil_div(m, BLOCKWISE_K), kb):
+        a_rows = BLOCKWISE_K
+    if scale_b_shape == (kb, n):
+        b_cols = 1
+    elif scale_b_shape == (kb, ceil_div(n, BLOCKWISE_K)):
+        b_cols = BLOCKWISE_K
+    return a_rows, b_cols
 
 
 def needs_int64_indexing(shape_and_strides: tuple[tuple[int, ...], ...]) -> bool:

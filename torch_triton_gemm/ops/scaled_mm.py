@@ -50,7 +50,15 @@ from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.scaled import scaled_mm_kernel
 from ._registry import define_triton_op
-from .checks import check, check_epilogue_args, check_value, needs_int64_indexing
+from .checks import (
+    BLOCKWISE_K,
+    blockwise_scale_blocks,
+    ceil_div,
+    check,
+    check_epilogue_args,
+    check_value,
+    needs_int64_indexing,
+)
 from .launcher import (
     GemmScales,
     PreparedLaunch,
@@ -70,7 +78,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPE = torch.float4_e2m1fn_x2
 INPUT_DTYPES = (*FP8_DTYPES, FP4_DTYPE)
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu, torch.float8_e4m3fn)
-BLOCKWISE_K = 128  # K elements per blockwise scale
 MX_BLOCK = 32  # K elements per e8m0 scale (mxfp8, mxfp4)
 NVFP4_BLOCK = 16  # K elements per e4m3 scale (nvfp4)
 
@@ -90,10 +97,6 @@ class Recipe:
 
 
 # --- recipe detection and checks ----------------------------------------------------------------
-
-def _ceil_div(x: Any, y: int) -> Any:
-    return (x + y - 1) // y
-
 
 def _shape(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(t.shape)
@@ -119,25 +122,18 @@ def _fp32_scale_recipe(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     b_cols = scale_b.dim() == 2 and _shape(scale_b) == (1, n)
     if (a_one or a_rows) and (b_one or b_cols):
         return Recipe("rowwise", "outer", "fp32")
-    kb = _ceil_div(K, BLOCKWISE_K)
+    kb = ceil_div(K, BLOCKWISE_K)
     a_group = b_group = None
     if scale_a.dim() == 2 and scale_b.dim() == 2:
-        if _shape(scale_a) == (m, kb):
-            a_group = 1
-        elif _shape(scale_a) == (_ceil_div(m, BLOCKWISE_K), kb):
-            a_group = BLOCKWISE_K
-        if _shape(scale_b) == (kb, n):
-            b_group = 1
-        elif _shape(scale_b) == (kb, _ceil_div(n, BLOCKWISE_K)):
-            b_group = BLOCKWISE_K
+        a_group, b_group = blockwise_scale_blocks(_shape(scale_a), _shape(scale_b), m, n, K)
     check(
         a_group is not None and b_group is not None,
         lambda: f"tgemm::scaled_mm: scale shapes fit no recipe: got scale_a "
                 f"{_shape(scale_a)} and scale_b {_shape(scale_b)} for a {_shape(a)} and b "
                 f"{_shape(b)} (M={m}, N={n}, K={K}). Tensorwise: one element each. Rowwise: "
                 f"scale_a ({m}, 1), scale_b (1, {n}). Blockwise (kb = ceil(K/128) = {kb}): "
-                f"scale_a ({m}, {kb}) for 1x128 or ({_ceil_div(m, 128)}, {kb}) for 128x128 "
-                f"blocks, scale_b ({kb}, {_ceil_div(n, 128)}) for 128x128 or ({kb}, {n}) for "
+                f"scale_a ({m}, {kb}) for 1x128 or ({ceil_div(m, 128)}, {kb}) for 128x128 "
+                f"blocks, scale_b ({kb}, {ceil_div(n, 128)}) for 128x128 or ({kb}, {n}) for "
                 f"1x128 blocks")
     return Recipe("blockwise", "block", "fp32", BLOCKWISE_K, a_group, b_group)
 
