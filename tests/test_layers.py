@@ -17,7 +17,7 @@ import pytest
 PACKAGE = "torch_triton_gemm"
 ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 OPS = tuple(f"{PACKAGE}.ops.{name}" for name in ("mm", "grouped_mm", "grouped_mm_list",
-                                                   "scaled_mm"))
+                                                   "scaled_mm", "scaled_grouped_mm"))
 # The layers beneath the ops: planning, launching and what both read.
 LAYERS = tuple(f"{PACKAGE}.ops.{name}" for name in ("checks", "operands", "launcher",
                                                       "grouped_launch", "planner"))
