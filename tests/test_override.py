@@ -572,6 +572,64 @@ def test_ops_selects_scaled():
     assert ov.counts == routed_counts(fallback=1)
 
 
+# --- torch._scaled_grouped_mm --------------------------------------------------------------------
+
+def _scaled_grouped_operands() -> tuple:
+    """fp8 MoE operands with rowwise scales (x [T, K]; expert weights stored [G, N, K], passed
+    transposed), an empty group, group sizes that are multiples of 16 (as torch's CUDA kernels
+    need), and the float64 reference of the dequantized product."""
+    e4m3 = torch.float8_e4m3fn
+    x, w = randn(64, 32), randn(4, 16, 32)
+    xs, ws = x.abs().amax(1) / 448, w.abs().amax(2) / 448
+    xq, wq = (x / xs[:, None]).to(e4m3), (w / ws[..., None]).to(e4m3)
+    offs = torch.tensor([16, 16, 48, 64], dtype=torch.int32, device=DEVICE)
+    x64, w64 = xq.double() * xs.double()[:, None], wq.double() * ws.double()[..., None]
+    ref = torch.cat([x64[s:e] @ w64[g].t()
+                     for g, (s, e) in enumerate(zip([0, 16, 16, 48], offs.tolist()))])
+    return xq, wq.transpose(-2, -1), xs, ws, offs, ref
+
+
+@requires_tgemm
+def test_scaled_grouped_mm_routed():
+    a, b, sa, sb, offs, ref = _scaled_grouped_operands()
+    with tg.override() as ov, TgemmCalls() as launched:
+        out = torch._scaled_grouped_mm(a, b, sa, sb, offs)
+        out_kw = torch._scaled_grouped_mm(a, b, scale_a=sa, scale_b=sb, offs=offs,
+                                          out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert ov.counts == routed_counts(scaled=2)
+    assert launched.ops == {"scaled_grouped_mm": 2}
+    assert out.dtype == out_kw.dtype == torch.bfloat16
+    assert rel_err(out, ref) <= 1e-2 and rel_err(out_kw, ref) <= 1e-2
+
+
+@requires_tgemm
+def test_scaled_grouped_mm_falls_through():
+    """What tgemm declines reaches PyTorch, which runs it or raises as it does without the
+    override (its kernels run on CUDA only)."""
+    a, b, sa, sb, offs, _ = _scaled_grouped_operands()
+    cases = {
+        "scale_result": lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs, scale_result=sa),
+        "offs int64": lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs.long()),
+        "scale requires grad": lambda: torch._scaled_grouped_mm(
+            a, b, sa.clone().requires_grad_(), sb, offs),
+    }
+    for name, fn in cases.items():
+        try:
+            plain, plain_error = fn(), None
+        except (RuntimeError, ValueError) as error:
+            plain, plain_error = None, str(error)
+        with tg.override() as ov, TgemmCalls() as launched:
+            try:
+                out, error = fn(), None
+            except (RuntimeError, ValueError) as raised:
+                out, error = None, str(raised)
+        assert ov.counts == routed_counts(fallback=1), name
+        assert launched.n == 0, name
+        assert error == plain_error, name
+        if plain is not None:
+            assert torch.equal(out, plain), name
+
+
 # --- scope: exceptions, nesting, decorator, threads ----------------------------------------------
 
 @requires_tgemm

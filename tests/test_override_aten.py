@@ -20,6 +20,7 @@ from test_override import (
     TOLERANCE,
     _grouped_operands,
     _grouped_reference,
+    _scaled_grouped_operands,
     _scaled_operands,
     randn,
     rel_err,
@@ -295,6 +296,20 @@ def test_scaled_mm(recipe):
         torch._scaled_mm(xq, wq, xs, ws, out_dtype=torch.bfloat16, out=out)
     assert ov.counts == routed_counts(scaled=2)
     assert rel_err(result, ref) <= 1e-2 and rel_err(out, ref) <= 1e-2
+
+
+def test_scaled_grouped_mm():
+    a, b, sa, sb, offs, ref = _scaled_grouped_operands()
+    with tg.override(level="aten") as ov:
+        out = torch._scaled_grouped_mm(a, b, sa, sb, offs)
+    assert ov.counts == routed_counts(scaled=1)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 1e-2
+    # A declined call reaches PyTorch's kernel, which refuses scale_result; without one (CPU
+    # builds) it fails as it does without the override.
+    with tg.override(level="aten") as ov:
+        with pytest.raises((RuntimeError, ValueError)):
+            torch._scaled_grouped_mm(a, b, sa, sb, offs, scale_result=sa)
+    assert ov.counts == routed_counts(fallback=1)
 
 
 # --- scope ---------------------------------------------------------------------------------------

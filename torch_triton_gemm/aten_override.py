@@ -2,12 +2,13 @@
 
 ``override(level="aten")`` registers, for the devices tgemm runs on (CUDA; CPU under
 ``TRITON_INTERPRET=1``), kernels for ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` (and their
-``out=`` forms), ``_grouped_mm`` and ``_scaled_mm`` (and its ``out=`` form) with PyTorch's
-dispatcher. Every caller then reaches tgemm: ``torch.einsum``, C++ code paths, the autograd
-formulas of other ops, other libraries' ops, and the aten calls that compiled code makes. Each
-kernel plans the call with the same planners as the Python-level mode (routing.py); what tgemm
-cannot serve exactly goes to the kernel that was registered before, taken with
-``torch.library.get_kernel``.
+``out=`` forms), ``_grouped_mm``, ``_scaled_mm`` (and its ``out=`` form) and
+``_scaled_grouped_mm`` with PyTorch's dispatcher. Every caller then reaches tgemm:
+``torch.einsum``, C++ code paths, the autograd formulas of other ops, other libraries' ops, and
+the aten calls that compiled code makes. Each kernel plans the call with the same planners as
+the Python-level mode (routing.py); what tgemm cannot serve exactly goes to the kernel that was
+registered before, taken with ``torch.library.get_kernel`` (or, where PyTorch has none for the
+device, as ``_scaled_grouped_mm`` on CPU, raises as the dispatcher would).
 
 Why a dispatcher registration and not a TorchDispatchMode: modes are thread-local and
 torch.compile does not trace through TorchDispatchModes, while a registration is seen by every
@@ -42,6 +43,7 @@ from .routing import (
     _plan_grouped,
     _plan_mm,
     _plan_scaled,
+    _plan_scaled_grouped,
 )
 
 
@@ -65,6 +67,7 @@ _ATEN_OPS = (
     _AtenOp("_grouped_mm", _plan_grouped),
     _AtenOp("_scaled_mm", _plan_scaled),
     _AtenOp("_scaled_mm.out", _plan_scaled, "out_dtype"),
+    _AtenOp("_scaled_grouped_mm", _plan_scaled_grouped),
 )
 
 _DISPATCH_KEYS = tuple(key for kind, key in (("cuda", "CUDA"), ("cpu", "CPU"))
@@ -203,6 +206,26 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
     return _without_dynamo(kernel)
 
 
+class _NoKernel(NamedTuple):
+    """Stands in for the previous kernel where PyTorch has none for the device (the CPU build
+    has no ``_scaled_grouped_mm``): calls tgemm declines fail as they would without the
+    override."""
+    name: str
+    key: str
+
+    def call_boxed(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"Could not run '{self.name}' with arguments from the '{self.key}' backend: PyTorch "
+            f"has no {self.key} kernel for it, and tgemm's override declined the call")
+
+
+def _previous_kernel(name: str, key: str) -> Any:
+    try:
+        return torch.library.get_kernel(name, key)
+    except RuntimeError:  # no kernel registered for this dispatch key
+        return _NoKernel(name, key)
+
+
 def _register() -> torch.library.Library:
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
@@ -210,7 +233,7 @@ def _register() -> torch.library.Library:
         warnings.simplefilter("ignore", UserWarning)
         for op in _ATEN_OPS:
             for key in _DISPATCH_KEYS:
-                previous = torch.library.get_kernel("aten::" + op.name, key)
+                previous = _previous_kernel("aten::" + op.name, key)
                 library.impl(op.name, _aten_kernel(op, previous), key, with_keyset=True)
     return library
 

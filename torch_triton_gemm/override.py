@@ -3,8 +3,9 @@
 ``with torch_triton_gemm.override():`` sends the matmul entry points that models call —
 ``nn.Linear`` / ``F.linear``, ``torch.mm``, ``torch.addmm``, ``torch.matmul`` / ``@`` and
 ``torch.bmm``, as functions and as Tensor methods — to ``torch.ops.tgemm.mm`` (batched products
-to ``tgemm.grouped_mm``), and ``torch._grouped_mm`` / ``torch._scaled_mm`` to
-``tgemm.grouped_mm`` / ``tgemm.scaled_mm``. A call that the ops cannot serve exactly (dtype,
+to ``tgemm.grouped_mm``), and ``torch._grouped_mm`` / ``torch._scaled_mm`` /
+``torch._scaled_grouped_mm`` to ``tgemm.grouped_mm`` / ``tgemm.scaled_mm`` /
+``tgemm.scaled_grouped_mm``. A call that the ops cannot serve exactly (dtype,
 device, ``out=``, arguments they reject, below ``min_size``) falls through to PyTorch unchanged.
 
 How: the default override is a ``TorchFunctionMode``, so it sees calls at the Python API, above
@@ -43,6 +44,7 @@ from .routing import (
     _plan_mm,
     _plan_rmatmul,
     _plan_scaled,
+    _plan_scaled_grouped,
 )
 
 # Entry point -> (name for the log, planner). ``a @ b`` arrives as Tensor.matmul; __matmul__ is
@@ -63,6 +65,7 @@ _ENTRY_POINTS: dict[Callable, tuple[str, Callable[[tuple, dict], _Plan | str]]] 
     torch.Tensor.baddbmm: ("Tensor.baddbmm", _plan_baddbmm),
     torch._grouped_mm: ("_grouped_mm", _plan_grouped),
     torch._scaled_mm: ("_scaled_mm", _plan_scaled),
+    torch._scaled_grouped_mm: ("_scaled_grouped_mm", _plan_scaled_grouped),
 }
 
 
@@ -143,17 +146,17 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
       ``torch.baddbmm`` (any beta, alpha and broadcast input) as addmm's general case.
     - ``"grouped"``: ``torch._grouped_mm`` in all its forms, to ``tgemm.grouped_mm``.
     - ``"scaled"``: ``torch._scaled_mm`` with an ``out_dtype`` of bfloat16, float16 or float32,
-      to ``tgemm.scaled_mm``.
+      to ``tgemm.scaled_mm``; ``torch._scaled_grouped_mm`` to ``tgemm.scaled_grouped_mm``.
 
     Everything else falls through to PyTorch unchanged: tensors tgemm cannot run on (CUDA, or
     CPU under ``TRITON_INTERPRET=1``), float64 / integer / complex or mixed dtypes, ``out=``
     (at the Python level), 1-D operands, empty batches, tensor subclasses other than DTensor,
     DTensors mixed with plain tensors, products with M * N * K (times the batch) below
-    ``min_size``; for ``torch._grouped_mm`` and
-    ``torch._scaled_mm``, arguments the tgemm op rejects, ``_grouped_mm`` under autocast, and
-    ``_scaled_mm`` with ``scale_result``, without ``out_dtype`` (PyTorch then returns the fp8
-    input dtype, which tgemm does not produce) or with a quantized operand or scale that
-    requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
+    ``min_size``; for ``torch._grouped_mm``, ``torch._scaled_mm`` and
+    ``torch._scaled_grouped_mm``, arguments the tgemm op rejects, ``_grouped_mm`` under
+    autocast, ``_scaled_mm`` with ``scale_result``, without ``out_dtype`` (PyTorch then returns
+    the fp8 input dtype, which tgemm does not produce), and the scaled products with an input
+    that requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
     the autocast dtype, as aten does. Gradients of routed calls are computed by tgemm as well.
 
     DTensor operands (tensor parallel) are routed like plain ones: the tgemm ops have DTensor
@@ -163,11 +166,12 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     Two levels. ``level="python"`` (the default) is a ``TorchFunctionMode``: it sees the Python
     entry points above, and torch.compile traces through it. ``level="aten"`` registers tgemm
     kernels for ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` (and their ``out=`` forms),
-    ``_grouped_mm`` and ``_scaled_mm`` with PyTorch's dispatcher while open, so every caller is
-    routed: ``torch.einsum``, C++ code, other ops' autograd formulas, other libraries' ops, and
-    compiled code (see below). Pick the Python level for models you compile (tgemm ops in the
-    graph, Inductor sees them, no copy) and the aten level to catch GEMMs the Python level
-    cannot see. Both may be open at once; the Python level decides first.
+    ``_grouped_mm``, ``_scaled_mm`` and ``_scaled_grouped_mm`` with PyTorch's dispatcher while
+    open, so every caller is routed: ``torch.einsum``, C++ code, other ops' autograd formulas,
+    other libraries' ops, and compiled code (see below). Pick the Python level for models you
+    compile (tgemm ops in the graph, Inductor sees them, no copy) and the aten level to catch
+    GEMMs the Python level cannot see. Both may be open at once; the Python level decides
+    first.
 
     At the Python level, mode stacks are thread-local: only the thread
     that entered it is routed; other threads' matmuls run as usual. One override object may be
@@ -178,7 +182,7 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
 
     ``torch.compile`` traces through the Python level: functions compiled inside it get tgemm
     ops in their graph, and Dynamo's guard on the mode stack recompiles them when called
-    outside. The exceptions are ``torch._grouped_mm`` and ``torch._scaled_mm``: Dynamo hands a
+    outside. The exceptions are ``torch._grouped_mm`` and the scaled products: Dynamo hands a
     mode only the functions of ``torch.overrides.get_overridable_functions()``, which leaves out
     private ones, so compiled code keeps PyTorch's kernels for them.
 

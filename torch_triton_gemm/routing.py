@@ -21,9 +21,11 @@ import torch
 from . import device as _device
 from . import sharding as _sharding
 from .ops import grouped_mm as _grouped_mm_module
+from .ops import scaled_grouped_mm as _scaled_grouped_mm_module
 from .ops import scaled_mm as _scaled_mm_module
 from .ops.grouped_mm import grouped_mm as _tgemm_grouped
 from .ops.mm import mm as _tgemm
+from .ops.scaled_grouped_mm import scaled_grouped_mm as _tgemm_scaled_grouped
 from .ops.scaled_mm import scaled_mm as _tgemm_scaled
 
 FAMILIES = ("mm", "addmm", "bmm", "grouped", "scaled")
@@ -416,13 +418,16 @@ def _plan_grouped(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | s
                                                                 False))
     if reason is not None:
         return reason
-    k = a.shape[-1]
-    # Multiply-adds: every row of a meets N columns of b (K deep), except 3-D a x 2-D b, whose
-    # G matrices of M rows share out's N columns between them.
-    size = (a.shape[1] * k * b.shape[1] if (a.dim(), b.dim()) == (3, 2)
-            else a.numel() * b.shape[-1])
-    return _Plan("grouped", size, lambda: _tgemm_grouped(a, b, offs, bias, out_dtype),
-                 "tgemm::grouped_mm")
+    return _Plan("grouped", _grouped_size(a, b),
+                 lambda: _tgemm_grouped(a, b, offs, bias, out_dtype), "tgemm::grouped_mm")
+
+
+def _grouped_size(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Multiply-adds of a grouped product: every row of a meets N columns of b (K deep), except
+    3-D a x 2-D b, whose G matrices of M rows share out's N columns between them."""
+    if (a.dim(), b.dim()) == (3, 2):
+        return a.shape[1] * a.shape[-1] * b.shape[1]
+    return a.numel() * b.shape[-1]
 
 
 def _plan_scaled(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
@@ -453,6 +458,33 @@ def _plan_scaled(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | st
     return _Plan("scaled", a.shape[0] * b.shape[1] * k,
                  lambda: _tgemm_scaled(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum),
                  "tgemm::scaled_mm")
+
+
+def _plan_scaled_grouped(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str:
+    names = ("input", "mat2", "scale_a", "scale_b", "offs", "bias", "scale_result", "out_dtype",
+             "use_fast_accum")
+    bound = _bind(args, kwargs, names)
+    if isinstance(bound, str):
+        return bound
+    a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype = (
+        bound.get(name) for name in names[:8])
+    use_fast_accum = bool(bound.get("use_fast_accum", False))
+    reason = _check_plain((a, b, scale_a, scale_b, offs, bias, scale_result))
+    if reason is not None:
+        return reason
+    if type(a) in _sharding.DTENSOR_TYPES:
+        return "DTensor operands (tgemm::scaled_grouped_mm has no sharding rules)"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (a, b, scale_a, scale_b, bias)):
+        return "an operand, a scale or bias requires grad"
+    reason = _rejected(lambda: _scaled_grouped_mm_module._check_inputs(
+        a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum))
+    if reason is not None:
+        return reason
+    return _Plan("scaled", _grouped_size(a, b),
+                 lambda: _tgemm_scaled_grouped(a, b, scale_a, scale_b, offs, bias, None,
+                                               out_dtype, use_fast_accum),
+                 "tgemm::scaled_grouped_mm")
 
 
 def _describe(args: tuple) -> str:
