@@ -675,8 +675,11 @@ def test_gpu_matches_torch_scaled_grouped_mm(form, fast):
     s = _aligned_sample(form, "rowwise", 2048, 512, 384, 8, empty_group=form != "k")
     ref, written = reference(s)
     ours = tg.scaled_grouped_mm(s.a, s.b, s.scale_a, s.scale_b, s.offs, use_fast_accum=fast)
-    theirs = torch._scaled_grouped_mm(s.a, s.b, s.scale_a, s.scale_b, s.offs,
-                                      use_fast_accum=fast)
+    try:
+        theirs = torch._scaled_grouped_mm(s.a, s.b, s.scale_a, s.scale_b, s.offs,
+                                          use_fast_accum=fast)
+    except (RuntimeError, ValueError) as e:
+        pytest.skip(f"this torch build's _scaled_grouped_mm refuses the {form} form: {e}")
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype == torch.bfloat16
     _assert_close(ours, ref, written, "tgemm")
     _assert_close(theirs, ref, written, "torch")
