@@ -116,6 +116,18 @@ def bias_shape(form: str, a: torch.Tensor, b: torch.Tensor,
     return (group_count(form, a, b, offs), b.shape[-1])
 
 
+def check_epilogue(op: str, form: str, a: torch.Tensor, b: torch.Tensor,
+                   offs: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                   dtypes: tuple[torch.dtype, ...]) -> None:
+    """The out dtype and the bias (if any) of a grouped op, whose epilogue adds bias in fp32 and
+    casts to one of ``dtypes``."""
+    check_value(
+        out_dtype in dtypes,
+        lambda: f"{op}: out_dtype {out_dtype} is not supported; choose one of {dtypes}")
+    if bias is not None:
+        check_bias(op, form, a, b, offs, bias, dtypes)
+
+
 def check_bias(op: str, form: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                bias: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     expected = bias_shape(form, a, b, offs)

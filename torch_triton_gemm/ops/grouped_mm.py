@@ -42,7 +42,7 @@ from ._registry import define_triton_op, eager_autograd_function
 from .checks import check_value, float32_precision
 from .grouped_launch import (
     GroupedLaunch,
-    check_bias,
+    check_epilogue,
     check_grouping,
     check_offs_values,
     form_of,
@@ -73,11 +73,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                          f"product")
     if out_dtype is None:
         out_dtype = a.dtype
-    check_value(
-        out_dtype in OUT_DTYPES,
-        lambda: f"{OP}: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
-    if bias is not None:
-        check_bias(OP, form, a, b, offs, bias, OUT_DTYPES)
+    check_epilogue(OP, form, a, b, offs, bias, out_dtype, OUT_DTYPES)
     return form, out_dtype
 
 

@@ -61,7 +61,7 @@ from .checks import (
 from .grouped_launch import (
     GroupedLaunch,
     GroupedScales,
-    check_bias,
+    check_epilogue,
     check_grouping,
     check_offs_values,
     out_shape,
@@ -175,11 +175,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     scales = _scales(form, a, b, scale_a, scale_b, offs, use_fast_accum)
     if out_dtype is None:
         out_dtype = torch.bfloat16
-    check_value(
-        out_dtype in OUT_DTYPES,
-        lambda: f"{OP}: out_dtype {out_dtype} is not supported; choose one of {OUT_DTYPES}")
-    if bias is not None:
-        check_bias(OP, form, a, b, offs, bias, OUT_DTYPES)
+    check_epilogue(OP, form, a, b, offs, bias, out_dtype, OUT_DTYPES)
     return form, out_dtype, scales
 
 
