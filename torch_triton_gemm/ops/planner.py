@@ -30,24 +30,26 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     (M, K), N = a.shape, b.shape[1]
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
-    tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
+    tma_args, pads, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
+    # TMA reads the operands as they are when it needs no padded copies (where the GPU has no
+    # TMA, the plan model offers no TMA plans and this is not asked).
+    aligned = tma_args is not None and pads == (None, None)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
-                 _operand_view(a, b, out))
+                 (aligned, _narrow(a, b)))
 
 
-def _operand_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[bool, bool]:
-    """(aligned, narrow): whether TMA describes the operands as they are (no copies), and
-    whether a pitch of theirs is not a multiple of 16 elements (no wide vector loads for the
-    portable kernel); the plan model weighs both."""
-    aligned = kernel_operands(a, b, out, pad=False)[0] is not None
+def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a pitch of the operands is not a multiple of 16 elements (no wide vector loads
+    for the portable kernel); the plan model weighs it, with whether TMA reads the operands as
+    they are (``view`` of ``_plan``)."""
     narrow = False
     for t in (a, b):
         rows, cols = t.shape
         for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
             if size > 1 and pitch != 1 and pitch % 16:
                 narrow = True
-    return aligned, narrow
+    return narrow
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
@@ -55,7 +57,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
           scales: GemmScales | None = None,
           view: tuple[bool, bool] | None = None) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
-    operands on a GPU, the plan model's (``view``: see ``_operand_view``), else the
+    operands on a GPU, the plan model's (``view``: aligned, narrow; see ``plan_mm``), else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
     plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
     heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
