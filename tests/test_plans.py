@@ -18,7 +18,7 @@ import torch
 from samples import FP8, make_operand, randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
-from torch_triton_gemm import plan_cache, tuning
+from torch_triton_gemm import plan_cache, plan_model, tuning
 from torch_triton_gemm.ops import launcher, operands, planner
 from torch_triton_gemm.ops.launcher import launch_mm
 
@@ -131,6 +131,8 @@ def test_operands_tma_cannot_describe_are_copied_padded_for_large_products(devic
     monkeypatch.setattr(operands, "PAD_MIN_SIZE", 0)
     monkeypatch.setattr(operands, "PAD_MIN_SIDE", 0)
     monkeypatch.setattr(tuning, "heuristic_mm_plan", lambda *args, **kwargs: PLANS[plan])
+    # On a GPU the plan model plans 16-bit products; this test is about the heuristic's plans.
+    monkeypatch.setattr(planner.plan_model, "modelled_plan", lambda *args, **kwargs: None)
     monkeypatch.setattr(planner, "_PLANS", {})
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
     a = make_operand(33, 37, torch.bfloat16, device, layout, "a").requires_grad_()
@@ -187,6 +189,19 @@ def test_heuristic_splits_k_only_when_the_output_cannot_fill_the_gpu(monkeypatch
     deep = tuning.heuristic_mm_plan(128, 128, 32768, 2, False, 132)
     assert deep.kernel == "portable" and deep.split_k > 1
     assert tuning.heuristic_mm_plan(8192, 8192, 128, 2, True, 132).split_k == 1
+
+
+@pytest.mark.parametrize("m, n, k", [(0, 8, 8), (8, 0, 8), (8, 8, 0), (0, 0, 0), (4096, 0, 4096),
+                                     (0, 4096, 4096), (100, 0, 5)])
+def test_gpu_planners_plan_empty_products(monkeypatch, m, n, k):
+    """Empty outputs launch nothing, but planning them must not fail (an H100 divided by the
+    zero tiles of an empty output)."""
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
+    for tma in (True, False):
+        assert tuning.heuristic_mm_plan(m, n, k, 2, tma, 132).split_k >= 1
+        plan = plan_model.modelled_plan(m, n, k, 2, 2, tma, 132, True, False)
+        assert plan is None or plan.split_k >= 1
 
 
 def test_tuned_plans_round_trip_through_disk(tmp_path, monkeypatch):
@@ -495,10 +510,11 @@ def test_stream_k_shares_the_partial_wave_and_whole_waves_before_it(tiles, progr
     assert tuning.stream_k_tiles(tiles, programs, stream_k) == expected
 
 
-def test_stream_k_plans_launch_once_with_a_flag_per_program(device):
+def test_stream_k_plans_launch_once_with_a_flag_per_program(device, monkeypatch):
     """A stream-K plan is one launch of every persistent program (no reduction kernel), with a
     partial tile and a flag per program; where the waves come out even it runs as a plain
-    persistent launch."""
+    persistent launch. Four persistent programs (the interpreter's count) on every device."""
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 4)
     prepare_launch = launcher.prepare_launch
     a = randn((37, 104), torch.float16, device)
     b = randn((45, 104), torch.float16, device).t()  # rows of 90 bytes would need pointers

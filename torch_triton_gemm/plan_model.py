@@ -172,6 +172,7 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
     elements (the portable kernel then loads without wide vectors). None where no plan of the
     space fits the GPU's shared memory."""
+    m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms)
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
              if not p.stream_k]

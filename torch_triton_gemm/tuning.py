@@ -229,6 +229,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
+    # An empty output launches nothing; planning it as one row or column keeps the rules total.
+    m, n, k = max(m, 1), max(n, 1), max(k, 1)
 
     def tiles(bm: int, bn: int) -> int:
         return -(-m // bm) * -(-n // bn)
