@@ -13,6 +13,7 @@ out), "n" (3-D a x 2-D b: columns of b and of out), "k" (2-D x 2-D: the contract
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, NamedTuple
@@ -313,18 +314,38 @@ class GroupedLaunch(NamedTuple):
 _NO_SCALES = ((0, 0, 0, 0, 0, 0), ("none", 1, 1, False))
 
 
+class GroupedRouting(NamedTuple):
+    """Rows of a 2-D a x 3-D b product routed through an int32 index (tgemm::moe_mlp): the
+    kernel's rows are ``slots`` token slots sorted by expert; "gather" reads a's rows through
+    the index, "scatter" writes out's rows through it (scaled by a weight per written row when
+    ``row_weights``). ``gate``: an activation name for a gated product (b holds 2N columns,
+    out N: act(first half) * second half), or "none"."""
+    mode: str
+    slots: int | torch.SymInt
+    gate: str = "none"
+    row_weights: bool = False
+
+
+_NOT_ROUTED = ("none", "none", False)
+
+
 def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
                            bias: torch.Tensor | None, out: torch.Tensor, zero_tail: bool,
                            use_tma: bool | None = None,
-                           scales: GroupedScales | None = None) -> GroupedLaunch | None:
+                           scales: GroupedScales | None = None,
+                           routing: GroupedRouting | None = None) -> GroupedLaunch | None:
     """Choose loaders and tile and work out the launch writing a x b (+ bias) into ``out``
-    (checked inputs), scaled by ``scales`` when given; None when there is nothing to write.
-    ``use_tma=False`` keeps to the pointer loaders. Raises (naming ``op``) where no kernel can
-    run on the operands' device."""
+    (checked inputs), scaled by ``scales`` when given, its rows routed as ``routing`` says;
+    None when there is nothing to write. ``use_tma=False`` keeps to the pointer loaders (as
+    routed rows do). Raises (naming ``op``) where no kernel can run on the operands' device."""
     error = _device.kernel_device_error(a.device)
     check(error is None, lambda: f"{op}: {error}")
     form = form_of(a, b)
     p = Problem(form, a, b, out, offs, bias)
+    if routing is not None:
+        # Routed rows are the sorted slots; a gated product's out is half as wide as b.
+        p.M, p.N = routing.slots, out.shape[1]
+        use_tma = False
     G, M, N = p.G, p.M, p.N
     if out.numel() == 0 or G == 0 and not zero_tail:
         return None
@@ -333,9 +354,13 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     c_tma = tma and _tma_stores(form, out, p)
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
-    tile, c_tma = choose_tile(form, G, M, N, a.element_size(),
+    gated = routing is not None and routing.gate != "none"
+    tile, c_tma = choose_tile(form, G, M, 2 * N if gated else N, a.element_size(),
                               tma and _device.supports_tma(a.device),
                               out.element_size() if c_tma else 0, num_sms(a.device), fp32_steps)
+    if gated:
+        # The tile's accumulator holds both halves: the tile chosen for 2N columns, N wide.
+        tile = dataclasses.replace(tile, block_n=max(16, tile.block_n // 2))
     stride_bias_g, stride_bias_n = p.bias_strides
     if scales is None:
         scale_strides, scaling = _NO_SCALES
@@ -352,6 +377,8 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
         c_tma, tuning.epilogue_subtile(tile) if c_tma else 1,
         input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out),
+        *(_NOT_ROUTED if routing is None
+          else (routing.mode, routing.gate, routing.row_weights)),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
     grid = (_sym_min(num_sms(a.device),
@@ -362,15 +389,16 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
 def run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
                        offs: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
                        traceable: bool, scale_a: torch.Tensor | None = None,
-                       scale_b: torch.Tensor | None = None) -> None:
-    """Launch a prepared grouped launch on these tensors (with the scales it was prepared
-    for). ``traceable=False`` launches the Triton kernel directly instead of through
-    ``wrap_triton``, for plain eager calls that nothing traces."""
+                       scale_b: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                       row_weights: torch.Tensor | None = None) -> None:
+    """Launch a prepared grouped launch on these tensors (with the scales, or the routing
+    index and row weights, it was prepared for). ``traceable=False`` launches the Triton kernel
+    directly instead of through ``wrap_triton``, for plain eager calls that nothing traces."""
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     launch_kernel(grouped_mm_kernel, launch.grid,
-                  (a, b, out, bias, offs, scale_a, scale_b, *launch.args), launch.meta,
-                  traceable, launch.compiled)
+                  (a, b, out, bias, offs, scale_a, scale_b, rows, row_weights, *launch.args),
+                  launch.meta, traceable, launch.compiled)
 
 
 def choose_tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,
