@@ -7,11 +7,12 @@ rules for DTensor operands (``sharding.py``) where ``torch.distributed`` is avai
 from .ops.grouped_mm import grouped_mm
 from .ops.grouped_mm_list import grouped_mm_list
 from .ops.mm import mm
+from .ops.moe_mlp import moe_mlp
 from .ops.scaled_grouped_mm import scaled_grouped_mm
 from .ops.scaled_mm import scaled_mm
 from .override import override
 from .quantize import dequantize, quantize
 
-__all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "override", "quantize",
+__all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "moe_mlp", "override", "quantize",
            "scaled_grouped_mm", "scaled_mm"]
 __version__ = "0.1.0"

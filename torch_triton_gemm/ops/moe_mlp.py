@@ -1,0 +1,319 @@
+"""tgemm::moe_mlp — a routed mixture-of-experts MLP (Mixtral / Qwen-MoE block) in two fused
+grouped launches, with gradients.
+
+Contract:
+
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k]  ->  out [T, H]
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (act(gate) * up),   e = topk_ids[t, j],
+    gate, up = the first and second I rows of w13[e] @ x[t]
+
+- x, w13 and w2 share one dtype: float16, bfloat16 or float32 (any strides); topk_ids int32 or
+  int64; topk_weights any of those float dtypes; out has x's dtype. activation: "silu"
+  (SwiGLU) or "gelu" (tanh approximation, GeGLU).
+- Routing stays on the device (a stable sort of the T * k slots by expert and a search for the
+  group ends): no host sync, so the op captures into CUDA graphs and compiles into one graph.
+  Experts may receive no tokens.
+- Ids outside [0, E) select no expert: the slot adds nothing to out and its weight gets a zero
+  gradient (expert parallelism marks tokens of other ranks' experts with -1 this way). Checking
+  ids costs a device sync, so only ``moe_mlp(..., validate_ids=True)`` does it (eager calls; it
+  raises ValueError naming the op).
+- Deterministic: no atomics. The first launch reads the rows of x through the sorted slots'
+  token index (no permuted copy of x) and applies act(gate) * up in its epilogue: a tile
+  accumulates gate columns n..n+BN and up columns I+n..I+n+BN in one dot. The second launch
+  scales each slot's row by its router weight in its epilogue and writes it at the slot's own
+  place of a [T, k, H] buffer, which a sum over k (fixed order) reduces to out.
+
+Backward: the gate/up pre-activations are recomputed (the gather launch without the gated
+epilogue) rather than saved, so the forward keeps only its inputs. grad_out's rows are gathered
+inside the launch that multiplies them by w2; the input gradient goes out through the
+scattering launch and the same sum over k; the GLU derivative, the router weights' gradient
+(a row-wise dot of act(gate) * up with grad_out @ w2) and the weight scaling are elementwise
+torch ops (fused by Inductor under torch.compile). The weight gradients are
+tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x and of the weighted grad_out.
+
+This module reads top to bottom: checks, routing, the routed grouped product
+(tgemm::moe_routed_mm, used by the backward), the op body and fake, autograd, public API.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._registry import define_triton_op
+from .checks import check, check_value
+from .grouped_launch import (
+    GroupedRouting,
+    check_grouping,
+    prepare_grouped_launch,
+    run_grouped_launch,
+)
+from .grouped_mm import grouped_mm
+
+OP = "tgemm::moe_mlp"
+ROUTED_OP = "tgemm::moe_routed_mm"
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+ACTIVATIONS = ("silu", "gelu")
+_INT32_LIMIT = 2**31 - 1
+
+
+# --- checks -------------------------------------------------------------------------------------
+
+def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str) -> None:
+    """Shapes, dtypes, devices and the activation (also under FakeTensor and symbolic shapes);
+    the ids' values are data (see the module docstring)."""
+    check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
+          lambda: f"{OP}: x must be 2-D [T, H], w13 3-D [E, 2I, H] and w2 3-D [E, H, I]; got "
+                   f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
+          lambda: f"{OP}: topk_ids must be [T, k] with T = {x.shape[0]} (x's rows), got "
+                   f"{tuple(topk_ids.shape)}")
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+          lambda: f"{OP}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                   f"{tuple(topk_weights.shape)}")
+    check_value(x.dtype in INPUT_DTYPES,
+                lambda: f"{OP}: x has dtype {x.dtype}; supported: {INPUT_DTYPES}")
+    check_value(w13.dtype == x.dtype and w2.dtype == x.dtype,
+                lambda: f"{OP}: w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype "
+                         f"{x.dtype}")
+    check_value(topk_ids.dtype in ID_DTYPES,
+                lambda: f"{OP}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    check_value(topk_weights.dtype in INPUT_DTYPES,
+                lambda: f"{OP}: topk_weights has dtype {topk_weights.dtype}; supported: "
+                         f"{INPUT_DTYPES}")
+    check_value(activation in ACTIVATIONS,
+                lambda: f"{OP}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    experts, width, hidden = w13.shape
+    check(hidden == x.shape[1],
+          lambda: f"{OP}: w13 is [E, 2I, H] with H = {hidden} but x has {x.shape[1]} columns")
+    check(width % 2 == 0,
+          lambda: f"{OP}: w13 must stack gate and up rows, [E, 2I, H]; got {width} rows")
+    check(tuple(w2.shape) == (experts, x.shape[1], width // 2),
+          lambda: f"{OP}: w2 must be [E, H, I] = {(experts, x.shape[1], width // 2)}, got "
+                   f"{tuple(w2.shape)}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
+                    ("topk_weights", topk_weights)):
+        check(t.device == x.device,
+              lambda name=name, t=t: f"{OP}: {name} is on {t.device} but x is on {x.device}")
+    slots = topk_ids.numel()
+    check(slots <= _INT32_LIMIT, lambda: f"{OP}: T * k = {slots} slots exceed int32 indexing")
+
+
+def check_ids_in_range(topk_ids: torch.Tensor, experts: int) -> None:
+    """Raise ValueError if an id is outside [0, experts): one reduction and a host sync, so
+    eager calls only (traced calls skip it)."""
+    if torch.compiler.is_compiling() or topk_ids.numel() == 0:
+        return
+    bad = ((topk_ids < 0) | (topk_ids >= experts)).any()
+    if bool(bad):
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        raise ValueError(f"{OP}: topk_ids must lie in [0, {experts}) (E = w13.shape[0]), got "
+                         f"values from {low} to {high}")
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+def route(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """Sort the T * k slots by expert on the device: (order, tokens, offs).
+
+    order[s] is the flat slot index t * k + j of sorted slot s (int32), tokens[s] its token t
+    (int32), offs the int32 cumulative ends of the experts' slot ranges. Slots of ids outside
+    [0, E) sort after the last expert (past offs[-1]): no group reads or writes them.
+    """
+    flat = topk_ids.reshape(-1)
+    key = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(experts, device=flat.device, dtype=key.dtype)
+    offs = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)
+    tokens = torch.div(order, topk_ids.shape[1], rounding_mode="floor").to(torch.int32)
+    return order.to(torch.int32), tokens, offs
+
+
+# --- the routed grouped product -----------------------------------------------------------------
+# tgemm::grouped_mm's 2-D x 3-D form with its rows routed (kernels/grouped.py's ROUTE flags).
+# moe_mlp's forward launches it directly; its backward calls it as an op, which tracing sees.
+
+def _routed_shape(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                  gate: str) -> tuple[int | torch.SymInt, int | torch.SymInt]:
+    return (rows.shape[0], b.shape[2] // 2 if gate != "none" else b.shape[2])
+
+
+def _check_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor,
+                  row_weights: torch.Tensor | None, route: str, gate: str) -> None:
+    check_grouping(ROUTED_OP, a, b, offs, INPUT_DTYPES)
+    check(a.dim() == 2 and b.dim() == 3,
+          lambda: f"{ROUTED_OP}: a must be 2-D and b 3-D, got {tuple(a.shape)} and "
+                   f"{tuple(b.shape)}")
+    check_value(route in ("gather", "scatter"),
+                lambda: f"{ROUTED_OP}: route must be 'gather' or 'scatter', got {route!r}")
+    check_value(gate == "none" or gate in ACTIVATIONS and route == "gather",
+                lambda: f"{ROUTED_OP}: gate must be 'none' or, gathering, one of {ACTIVATIONS}; "
+                         f"got {gate!r}")
+    check(rows.dim() == 1 and rows.dtype == torch.int32 and rows.device == a.device,
+          lambda: f"{ROUTED_OP}: rows must be int32 [S] on {a.device}")
+    check(route == "gather" or a.shape[0] == rows.shape[0],
+          lambda: f"{ROUTED_OP}: scattering, a must have one row per slot ({rows.shape[0]})")
+    check(gate == "none" or b.shape[2] % 2 == 0,
+          lambda: f"{ROUTED_OP}: a gated product needs an even column count, got {b.shape[2]}")
+    if row_weights is not None:
+        check(route == "scatter" and row_weights.shape == rows.shape
+              and row_weights.is_contiguous(),
+              lambda: f"{ROUTED_OP}: row_weights must be contiguous [S], scattering")
+
+
+def _moe_routed_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                        rows: torch.Tensor, row_weights: torch.Tensor | None, route: str,
+                        gate: str, zero_tail: bool) -> torch.Tensor:
+    _check_routed(a, b, offs, rows, row_weights, route, gate)
+    return a.new_empty(_routed_shape(a, b, rows, gate))
+
+
+def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor,
+                  row_weights: torch.Tensor | None, out: torch.Tensor, route: str, gate: str,
+                  zero_tail: bool, traceable: bool) -> None:
+    """Launch the grouped kernel writing the routed product into ``out`` (checked inputs):
+    "gather": out[s] = gate(a[rows[s]] @ b[e]); "scatter": out[rows[s]] = row_weights[rows[s]]
+    * (a[s] @ b[e]); e is slot s's group in offs. zero_tail writes zeros for the slots past
+    offs[-1] (at their routed rows when scattering)."""
+    routing = GroupedRouting(route, rows.shape[0], gate, row_weights is not None)
+    launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, out, zero_tail,
+                                    routing=routing)
+    if launch is not None:
+        run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows,
+                           row_weights=row_weights)
+
+
+def _moe_routed_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                        rows: torch.Tensor, row_weights: torch.Tensor | None, route: str,
+                        gate: str, zero_tail: bool) -> torch.Tensor:
+    out = _moe_routed_mm_fake(a, b, offs, rows, row_weights, route, gate, zero_tail)
+    launch_routed(a, b, offs, rows, row_weights, out, route, gate, zero_tail, traceable=True)
+    return out
+
+
+moe_routed_mm_op = define_triton_op(ROUTED_OP, _moe_routed_mm_impl, _moe_routed_mm_fake)
+
+
+# --- the op body --------------------------------------------------------------------------------
+
+def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+    return x.new_empty(x.shape)
+
+
+def _moe_mlp_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+    tokens, top_k = topk_ids.shape
+    order, token_rows, offs = route(topk_ids, w13.shape[0])
+    # Launch 1: gathered rows of x times gate and up columns, act(gate) * up in the epilogue.
+    h = x.new_empty(order.shape[0], w2.shape[2])
+    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
+                  False, traceable=True)
+    # Launch 2: h times w2, each row scaled by its router weight and written at its slot; the
+    # slots of no expert (past offs[-1]) get zeros.
+    y = x.new_empty(order.shape[0], x.shape[1])
+    weights = topk_weights.reshape(-1).contiguous()
+    launch_routed(h, w2.transpose(-2, -1), offs, order, weights, y, "scatter", "none", True,
+                  traceable=True)
+    return y.view(tokens, top_k, x.shape[1]).sum(1)
+
+
+moe_mlp_op = define_triton_op(OP, _moe_mlp_impl, _moe_mlp_fake)
+
+
+# --- autograd -----------------------------------------------------------------------------------
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w13, w2, topk_ids, topk_weights, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
+
+
+def _glu_parts(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate) and act'(gate) in fp32 (gelu: the tanh approximation the kernels use)."""
+    if activation == "silu":
+        sig = torch.sigmoid(gate)
+        return gate * sig, sig * (1 + gate * (1 - sig))
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate.pow(3))
+    tanh = torch.tanh(inner)
+    d_inner = 0.7978845608028654 * (1 + 3 * 0.044715 * gate.square())
+    return 0.5 * gate * (1 + tanh), 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh.square()) * d_inner
+
+
+def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
+    x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
+    need_x, need_w13, need_w2, _, need_weights = ctx.needs_input_grad[:5]
+    dtype = x.dtype
+    tokens, top_k = topk_ids.shape
+    order, token_rows, offs = route(topk_ids, w13.shape[0])
+    routed = torch.ops.tgemm.moe_routed_mm
+    grad = grad_out.to(dtype)
+    # Recomputed pre-activations, [S, 2I] (zeros for slots of no expert).
+    pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
+    gate, up = pre.float().chunk(2, dim=-1)
+    act, d_act = _glu_parts(gate, ctx.activation)
+    h = act * up
+    # grad_out's rows gathered by slot, times w2: d(loss)/d(weighted w2 @ h), [S, I].
+    grad_h = routed(grad, w2, offs, token_rows, None, "gather", "none", True).float()
+    order_long = order.long()
+    weight = topk_weights.reshape(-1)[order_long].float()
+    grad_x = grad_w13 = grad_w2 = grad_weights = None
+    if need_weights:
+        # A permutation's scatter: every slot written once, no accumulation.
+        per_slot = (h * grad_h).sum(-1)
+        grad_weights = torch.empty_like(per_slot).scatter(0, order_long, per_slot)
+        grad_weights = grad_weights.view(tokens, top_k).to(topk_weights.dtype)
+    grad_h = grad_h * weight[:, None]
+    grad_pre = torch.cat((grad_h * up * d_act, grad_h * act), dim=-1).to(dtype)
+    if need_x:
+        per_slot = routed(grad_pre, w13, offs, order, None, "scatter", "none", True)
+        grad_x = per_slot.view(tokens, top_k, x.shape[1]).sum(1)
+    if need_w13:
+        grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
+    if need_w2:
+        weighted = (grad.index_select(0, token_rows).float() * weight[:, None]).to(dtype)
+        grad_w2 = grouped_mm(weighted.t(), h.to(dtype), offs)
+    return grad_x, grad_w13, grad_w2, None, grad_weights, None
+
+
+moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor, activation: str = "silu", *,
+            validate_ids: bool = False) -> torch.Tensor:
+    """A routed mixture-of-experts MLP in two fused grouped launches (see the module docstring).
+
+    Args:
+        x: [T, H] tokens; float16, bfloat16 or float32.
+        w13: [E, 2I, H] gate rows then up rows of every expert, x's dtype, any strides.
+        w2: [E, H, I] down projections, x's dtype, any strides.
+        topk_ids: [T, k] int32 or int64 expert of each token's slots; ids outside [0, E)
+            select no expert (the slot adds nothing).
+        topk_weights: [T, k] router weights (float16, bfloat16 or float32).
+        activation: "silu" (SwiGLU) or "gelu" (tanh approximation).
+        validate_ids: raise ValueError for ids outside [0, E) instead (one host sync; eager
+            calls only).
+
+    Returns:
+        out [T, H] in x's dtype: sum_j topk_weights[t, j] * w2[e] @ (act(gate) * up).
+
+    Example:
+        >>> import torch, torch_triton_gemm as tg
+        >>> x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+        >>> w13 = torch.randn(8, 2 * 2048, 1024, device="cuda", dtype=torch.bfloat16) / 32
+        >>> w2 = torch.randn(8, 1024, 2048, device="cuda", dtype=torch.bfloat16) / 45
+        >>> weights, ids = torch.randn(4096, 8, device="cuda").softmax(-1).topk(2)
+        >>> out = tg.moe_mlp(x, w13, w2, ids, weights)   # [4096, 1024]
+    """
+    if validate_ids:
+        _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+        check_ids_in_range(topk_ids, w13.shape[0])
+    return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
+
