@@ -28,7 +28,7 @@ from torch_triton_gemm.bench.results import (
     LatencyResult,
     RunResults,
 )
-from torch_triton_gemm.bench.suites import Case, GroupedCase, ScaledCase
+from torch_triton_gemm.bench.suites import Case, GroupedCase, MoECase, ScaledCase
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +89,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
                      "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
-                     "scaled": 42, "classes": 21, "sweep": 400}
+                     "scaled": 42, "moe": 8, "classes": 21, "sweep": 400}
 
 
 def test_suite_row_counts_match_the_shape_list():
@@ -284,6 +284,33 @@ def test_scaled_suite_cases():
         assert sum(c.recipe == recipe for c in cases) == len(shapes)
     # 128x128 blocks tile every weight; torch._scaled_mm wants sizes divisible by 16.
     assert all(c.n % 128 == 0 and c.k % 128 == 0 and c.m % 16 == 0 for c in cases)
+
+
+def test_moe_suite_cases():
+    cases = suites.moe_cases()
+    assert {(c.name, c.form, c.tokens) for c in cases} == {
+        (n, f, t) for n in ("mixtral", "qwen3") for f in ("fwd", "fwd+bwd") for t in (4096, 16384)}
+    for c in cases:
+        want = (8, 2, 4096, 14336) if c.name == "mixtral" else (128, 8, 2048, 768)
+        assert (c.experts, c.top_k, c.hidden, c.inter) == want
+    assert MoECase("m", "fwd+bwd", 8, 2, 4096, 14336, 4096).flops == (
+        3 * 3 * 2 * 4096 * 2 * 4096 * 14336)
+
+
+def test_moe_section_and_csv_report_peak_memory(tmp_path):
+    row = GemmResult(MoECase("qwen3", "fwd", 128, 8, 2048, 768, 4096), "bf16",
+                     {"tgemm": 2.0, "torch": 3.0}, {"tgemm": 2.5, "torch": 3.5}, 4e-3,
+                     "fp32 loop", 1.0, peak_mib={"tgemm": 100.0, "torch": 900.0})
+    results = RunResults(moe=[row])
+    (section,) = report.sections(results)
+    cells = _cells(section.render(), "qwen3 fwd")
+    assert cells[9:13] == ["1.50", "1.40", "100", "900"]
+    assert _cells(report.summary(results), "moe vs torch")[3:6] == ["bf16", "1", "1.50"]
+    path = tmp_path / "moe.csv"
+    report.write_csv(str(path), results.records())
+    with open(path) as f:
+        (record,) = list(csv.DictReader(f))
+    assert (float(record["tgemm_peak_mib"]), float(record["torch_peak_mib"])) == (100.0, 900.0)
 
 
 # --- --list -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     python -m torch_triton_gemm.bench                   # mm suites, latency, e2e, coldstart
     python -m torch_triton_gemm.bench --quick           # a representative subset, bf16
     python -m torch_triton_gemm.bench --suite grouped,scaled
+    python -m torch_triton_gemm.bench --suite moe          # moe_mlp vs the unfused MoE MLP
     python -m torch_triton_gemm.bench --suite sweep --seed 1 --count 400 --plot sweep.png
     python -m torch_triton_gemm.bench --suite classes --inductor   # + Inductor's Triton GEMMs
     python -m torch_triton_gemm.bench --list            # the suites and their rows; no GPU
@@ -21,6 +22,7 @@ Modules, in the order a run uses them:
     gemm.py       the mm suites (with --inductor, a compiled peer) and the host-latency suite
     grouped.py    grouped_mm vs torch._grouped_mm and a loop of torch.mm
     scaled.py     scaled_mm vs torch._scaled_mm, with the fp8 quantization of the inputs
+    moe.py        moe_mlp vs the unfused torch._grouped_mm MoE MLP, with peak memory
     e2e.py        Llama-block step time, and cold start in fresh processes
     coldstart.py  the program each cold-start process runs
     model.py      the drop-in example's model (shared with examples/dropin.py)

@@ -200,6 +200,25 @@ def scaled_section(results: Sequence[GemmResult]) -> Section:
                    _gemm_issues(results))
 
 
+MOE_HEADERS = ("name", "form", "E", "k", "H", "I", "T", "tgemm TFLOP/s", "torch TFLOP/s",
+               "ratio kernel", "ratio eager", "tgemm peak MiB", "torch peak MiB", "rel err")
+
+
+def moe_section(results: Sequence[GemmResult]) -> Section:
+    rows = []
+    for r in results:
+        c = r.case
+        rows.append([c.name, c.form, str(c.experts), str(c.top_k), str(c.hidden), str(c.inter),
+                     str(c.tokens), fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
+                     fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
+                     _fmt(r.peak_mib.get("tgemm", math.nan), ".0f"),
+                     _fmt(r.peak_mib.get("torch", math.nan), ".0f"), _err_cells(r)[0]])
+    title = ("moe: moe_mlp (bf16) vs the unfused MoE MLP on torch._grouped_mm (sort, row copy, "
+             "gate/up, SwiGLU, down, weighted index_add); peak MiB: memory a call adds; rel err "
+             "vs the unfused MLP in fp32")
+    return Section(title, MOE_HEADERS, rows, frozenset({"name", "form"}), _gemm_issues(results))
+
+
 E2E_HEADERS = ("model", "plain ms", "override ms", "override/plain", "max loss rel diff")
 
 
@@ -245,6 +264,8 @@ def sections(results: RunResults) -> list[Section]:
         out.append(grouped_section(results.grouped))
     if results.scaled:
         out.append(scaled_section(results.scaled))
+    if results.moe:
+        out.append(moe_section(results.moe))
     if results.e2e is not None:
         out.append(e2e_section(results.e2e))
     if results.coldstart:
@@ -312,6 +333,8 @@ def summary_rows(results: RunResults) -> list[list[str]]:
     by_recipe = _grouped_by(results.scaled, lambda r: (r.case.recipe, r.dtype))
     rows += [_summary_row(f"scaled {recipe}", dtype, group)
              for (recipe, dtype), group in by_recipe.items()]
+    if results.moe:
+        rows.append(_summary_row("moe vs torch", "bf16", results.moe))
     return rows
 
 
@@ -343,7 +366,7 @@ def summary_lines(results: RunResults) -> list[str]:
                     else f" ({fmt_times(safe_ratio(r.first_step_s, plain))})")
                  for r in results.coldstart]
         lines.append("coldstart first step: " + ", ".join(parts))
-    gemm_rows = [*results.mm, *results.grouped, *results.scaled]
+    gemm_rows = [*results.mm, *results.grouped, *results.scaled, *results.moe]
     worst = _worst(gemm_rows, "torch")
     if worst is not None:
         lines.append(f"worst row (kernel-only, vs torch): {worst.label()} "

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .suites import Case, GroupedCase, ScaledCase
+from .suites import Case, GroupedCase, MoECase, ScaledCase
 
-AnyCase = Case | GroupedCase | ScaledCase
+AnyCase = Case | GroupedCase | ScaledCase | MoECase
 
 # Implementations a GEMM row may time: tgemm, the torch peer (torch.mm, torch._grouped_mm,
 # torch._scaled_mm), for grouped rows a Python loop of torch.mm, and for mm rows with
@@ -41,6 +41,7 @@ class GemmResult:
     first_call_s: float = math.nan  # tgemm's first call, tuning included when it was new
     error: str = ""
     note: str = ""
+    peak_mib: dict[str, float] = field(default_factory=dict)  # memory a call adds (moe rows)
 
     def time_ms(self, impl: str = "tgemm", kind: str = "kernel") -> float:
         """ms per call of ``impl``, ``kind`` "kernel" (kernel-only) or "eager"."""
@@ -89,6 +90,8 @@ class GemmResult:
         if self.case.memory_bound:
             row["tgemm_gbps"] = self.gbps("tgemm")
             row["torch_gbps"] = self.gbps("torch")
+        for impl, mib in self.peak_mib.items():
+            row[f"{impl}_peak_mib"] = mib
         row.update(rel_err=self.rel_err, err_vs=self.err_vs, first_call_s=self.first_call_s,
                    error=self.error, note=self.note)
         return row
@@ -170,13 +173,15 @@ class RunResults:
     latency: list[LatencyResult] = field(default_factory=list)
     grouped: list[GemmResult] = field(default_factory=list)
     scaled: list[GemmResult] = field(default_factory=list)
+    moe: list[GemmResult] = field(default_factory=list)
     e2e: E2EResult | None = None
     coldstart: list[ColdStartResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def records(self) -> list[dict[str, object]]:
         """Every row as CSV fields, in report order."""
-        rows = [r.record() for r in (*self.mm, *self.latency, *self.grouped, *self.scaled)]
+        rows = [r.record() for r in (*self.mm, *self.latency, *self.grouped, *self.scaled,
+                                      *self.moe)]
         if self.e2e is not None:
             rows.append(self.e2e.record())
         rows += [r.record() for r in self.coldstart]

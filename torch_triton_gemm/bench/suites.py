@@ -18,7 +18,7 @@ MM_SUITES = ("square", "llama", "layouts", "decode", "odd", "deepk", "shallowk")
 DEFAULT_SUITES = (*MM_SUITES, "latency", "e2e", "coldstart")
 # mm suites that judge the planner on shapes nobody tuned for; long, so they run when named.
 PLANNER_SUITES = ("classes", "sweep")
-ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", *PLANNER_SUITES)
+ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", "moe", *PLANNER_SUITES)
 # Names that stand for several suites on the command line.
 SUITE_GROUPS = {"mm": MM_SUITES, "default": DEFAULT_SUITES, "all": ALL_SUITES}
 
@@ -35,6 +35,8 @@ SUITE_DESCRIPTIONS = {
     "coldstart": "first training step of the drop-in example's model in fresh processes",
     "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
     "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes",
+    "moe": "moe_mlp vs the unfused torch._grouped_mm MoE MLP (Mixtral, Qwen3-MoE), with peak "
+           "memory",
     "classes": "named shapes the planner finds hard: near1000, overwave, near3000, decode32, "
                "decode1, wideN, deepK",
     "sweep": "--count random shapes of --seed: M, N, K log-uniform over 1..16384, odd sizes "
@@ -383,6 +385,62 @@ def grouped_cases(quick: bool = False) -> list[GroupedCase]:
     return cases
 
 
+# --- moe_mlp suite ------------------------------------------------------------------------------
+
+# Expert MLPs of Mixtral-8x7B and Qwen3-30B-A3B: experts, top-k, hidden H, expert FFN I.
+MOE_MODELS = {
+    "mixtral": dict(experts=8, top_k=2, hidden=4096, inter=14336),
+    "qwen3": dict(experts=128, top_k=8, hidden=2048, inter=768),
+}
+MOE_TOKENS = (4096, 16384)
+QUICK_MOE_TOKENS = (4096,)
+MOE_FORMS = {
+    "fwd": "out = the routed MLP of x (gather, gate/up, SwiGLU, down, weighted top-k sum)",
+    "fwd+bwd": "forward, then the gradients of x, w13, w2 and the router weights",
+}
+
+
+@dataclass(frozen=True)
+class MoECase:
+    """One routed MoE MLP block: ``tokens`` tokens, each to ``top_k`` of ``experts`` SwiGLU
+    experts of hidden size ``hidden`` and FFN size ``inter`` (softmax router on random
+    logits)."""
+
+    name: str  # a key of MOE_MODELS
+    form: str  # a key of MOE_FORMS
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: int
+    suite: str = "moe"
+
+    @property
+    def flops(self) -> int:
+        """Three products of 2 * (T * k) * H * I per slot forward (gate, up, down); the
+        backward pass adds twice as many."""
+        forward = 6 * self.tokens * self.top_k * self.hidden * self.inter
+        return forward * (3 if self.form == "fwd+bwd" else 1)
+
+    @property
+    def memory_bound(self) -> bool:
+        return False
+
+    def label(self) -> str:
+        return f"moe {self.name} {self.form} T={self.tokens}"
+
+    def record(self) -> dict[str, object]:
+        return {"form": self.form, "E": self.experts, "top_k": self.top_k, "H": self.hidden,
+                "I": self.inter, "T": self.tokens}
+
+
+def moe_cases(quick: bool = False) -> list[MoECase]:
+    """The moe suite in run order."""
+    tokens = QUICK_MOE_TOKENS if quick else MOE_TOKENS
+    return [MoECase(name, form, tokens=t, **model)
+            for name, model in MOE_MODELS.items() for form in MOE_FORMS for t in tokens]
+
+
 # --- scaled_mm suite ----------------------------------------------------------------------------
 
 SCALED_RECIPES = {
@@ -453,6 +511,8 @@ def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -
         return len(grouped_cases(quick))
     if suite == "scaled":
         return len(scaled_cases(quick))
+    if suite == "moe":
+        return len(moe_cases(quick))
     if suite == "e2e":
         return 1
     if suite == "coldstart":
