@@ -9,6 +9,7 @@ bf16 dot is wrong); GPU-only tests carry the ``gpu`` marker.
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from functorch.compile import make_boxed_func
 from samples import randn, rel_error, tolerance
+from test_mm import _run_without_interpreter
 
 import torch_triton_gemm as tg
 from torch_triton_gemm.ops import moe_mlp as moe_module
@@ -316,6 +318,96 @@ def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp
         assert torch.equal(g, e)
     backward_ops = {str(n.target) for n in _KEPT[-1].graph.nodes if n.op == "call_function"}
     assert {"tgemm.moe_routed_mm.default", "tgemm.grouped_mm.default"} <= backward_ops
+
+
+def test_traces_on_cuda_fake_tensors():
+    """Without the interpreter, the triton_op body traces on CUDA FakeTensors (no GPU needed):
+    the output's metadata, and both routed launches of the grouped kernel in the functional
+    trace with their flags (pointer loaders, the scatter zeroing slots of no expert)."""
+    script = textwrap.dedent("""
+        import torch, torch_triton_gemm as tg
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.functional_tensor import dispatch_functionalize
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def block(x, w13, w2, ids, weights):
+            return tg.moe_mlp(x, w13, w2, ids, weights)
+
+        with FakeTensorMode():
+            bf16 = dict(device="cuda", dtype=torch.bfloat16)
+            x = torch.empty(96, 64, **bf16)
+            w13 = torch.empty(4, 96, 64, **bf16)
+            w2 = torch.empty(4, 64, 48, **bf16)
+            ids = torch.empty(96, 2, device="cuda", dtype=torch.int64)
+            weights = torch.empty(96, 2, device="cuda", dtype=torch.float32)
+            out = block(x, w13, w2, ids, weights)
+            print(tuple(out.shape), out.dtype, out.device.type)
+        gm = make_fx(dispatch_functionalize(block), tracing_mode="fake")(x, w13, w2, ids, weights)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "triton_kernel" in str(node.target):
+                kw = node.kwargs["kwargs"]
+                print("kernel ROUTE=%s GATE=%s ROW_WEIGHTS=%s ZERO_TAIL=%s USE_TMA=%s N=%s" % (
+                    kw["ROUTE"], kw["GATE"], kw["ROW_WEIGHTS"], kw["ZERO_TAIL"], kw["USE_TMA"],
+                    kw["N"]))
+    """)
+    if torch.cuda.is_available():
+        pytest.skip("runs the GPU-less tracing path; the GPU tests cover it on a GPU")
+    lines = _run_without_interpreter(script).strip().splitlines()
+    assert lines == [
+        "(96, 64) torch.bfloat16 cuda",
+        "kernel ROUTE=gather GATE=silu ROW_WEIGHTS=False ZERO_TAIL=False USE_TMA=False N=48",
+        "kernel ROUTE=scatter GATE=none ROW_WEIGHTS=True ZERO_TAIL=True USE_TMA=False N=64",
+    ]
+
+
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
+
+def compile_for(route, gate, weights, tile):
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    constants = dict(
+        GROUPED="m", ZERO_TAIL=route == "scatter", HAS_BIAS=False, bias_ptr=None,
+        SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, sa_ptr=None, sb_ptr=None,
+        USE_TMA=False, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=False, C_TMA=False,
+        EPILOGUE_SUBTILE=1, INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False,
+        ROUTE=route, GATE=gate, ROW_WEIGHTS=weights, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
+    if not weights:
+        constants["weights_ptr"] = None
+    pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32",
+                "rows_ptr": "*i32", "weights_ptr": "*fp32"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
+                 for name in kernel.arg_names}
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
+               "K", "N"]
+    index = kernel.arg_names.index
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(index(k),): v for k, v in constants.items()},
+        attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    print(route, gate, weights, "warp_group_dot" in compiled.asm["ttgir"])
+
+compile_for("gather", "silu", False, (128, 64, 64, 8, 3))
+compile_for("gather", "gelu", False, (64, 128, 64, 4, 3))
+compile_for("gather", "none", False, (128, 128, 64, 8, 3))
+compile_for("scatter", "none", True, (128, 128, 64, 8, 3))
+"""
+
+
+def test_routed_kernel_compiles_for_hopper():
+    """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
+    gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), plain
+    gathered rows (the backward), and the weighted scatter."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
+    out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
+    assert out == ["gather silu False True", "gather gelu False True", "gather none False True",
+                   "scatter none True True"]
 
 
 _KEPT: list[torch.fx.GraphModule] = []
