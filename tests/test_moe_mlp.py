@@ -291,6 +291,10 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.tgemm.moe_routed_mm.default,
                           (s.x, s.w13.transpose(1, 2), offs, tokens, None, "gather", "silu",
                            True))
+    pre = randn((order.shape[0], 2 * INTER), torch.float16, device)
+    grad = randn((order.shape[0], INTER), torch.float16, device)
+    torch.library.opcheck(torch.ops.tgemm.moe_glu_backward.default,
+                          (pre, grad, s.weights.reshape(-1), order, "gelu"))
 
 
 def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp32):
@@ -349,6 +353,21 @@ def test_traces_on_cuda_fake_tensors():
                 print("kernel ROUTE=%s GATE=%s ROW_WEIGHTS=%s ZERO_TAIL=%s USE_TMA=%s N=%s" % (
                     kw["ROUTE"], kw["GATE"], kw["ROW_WEIGHTS"], kw["ZERO_TAIL"], kw["USE_TMA"],
                     kw["N"]))
+
+        # The backward's own kernel (the autograd engine needs a CUDA build to trace it whole).
+        def glu_backward(pre, grad, weights, order):
+            return torch.ops.tgemm.moe_glu_backward(pre, grad, weights, order, "silu")
+
+        with FakeTensorMode():
+            pre = torch.empty(192, 96, **bf16)
+            grad = torch.empty(192, 48, **bf16)
+            flat = torch.empty(192, device="cuda", dtype=torch.float32)
+            order = torch.empty(192, device="cuda", dtype=torch.int32)
+        gm = make_fx(dispatch_functionalize(glu_backward), tracing_mode="fake")(
+            pre, grad, flat, order)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "triton_kernel" in str(node.target):
+                print("kernel ACTIVATION=%s" % node.kwargs["kwargs"]["ACTIVATION"])
     """)
     if torch.cuda.is_available():
         pytest.skip("runs the GPU-less tracing path; the GPU tests cover it on a GPU")
@@ -357,6 +376,7 @@ def test_traces_on_cuda_fake_tensors():
         "(96, 64) torch.bfloat16 cuda",
         "kernel ROUTE=gather GATE=silu ROW_WEIGHTS=False ZERO_TAIL=False USE_TMA=False N=48",
         "kernel ROUTE=scatter GATE=none ROW_WEIGHTS=True ZERO_TAIL=True USE_TMA=False N=64",
+        "kernel ACTIVATION=silu",
     ]
 
 
@@ -396,18 +416,32 @@ compile_for("gather", "silu", False, (128, 64, 64, 8, 3))
 compile_for("gather", "gelu", False, (64, 128, 64, 4, 3))
 compile_for("gather", "none", False, (128, 128, 64, 8, 3))
 compile_for("scatter", "none", True, (128, 128, 64, 8, 3))
+
+from torch_triton_gemm.kernels.glu import glu_backward_kernel as glu
+names = glu.arg_names
+for activation in ("silu", "gelu"):
+    constants = {"ACTIVATION": activation, "BLOCK_M": 32, "BLOCK_N": 128}
+    types = {"pre_ptr": "*bf16", "grad_ptr": "*bf16", "weights_ptr": "*fp32",
+             "order_ptr": "*i32", "hw_ptr": "*bf16", "grad_pre_ptr": "*bf16",
+             "grad_weights_ptr": "*fp32"}
+    source = ASTSource(
+        fn=glu, signature={n: "constexpr" if n in constants else types.get(n, "i32")
+                           for n in names},
+        constexprs={(names.index(k),): v for k, v in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    print("glu", activation)
 """
 
 
 def test_routed_kernel_compiles_for_hopper():
     """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
     gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), plain
-    gathered rows (the backward), and the weighted scatter."""
+    gathered rows (the backward), and the weighted scatter; and the gated backward kernel."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
     assert out == ["gather silu False True", "gather gelu False True", "gather none False True",
-                   "scatter none True True"]
+                   "scatter none True True", "glu silu", "glu gelu"]
 
 
 _KEPT: list[torch.fx.GraphModule] = []

@@ -182,6 +182,20 @@ def apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def activation_and_grad(x, ACTIVATION: tl.constexpr):
+    """act(x) and act'(x) on an fp32 tile, for "silu" and "gelu" (tanh approximation, as
+    ``apply_activation``): the gated MLPs' backward pass."""
+    if ACTIVATION == "silu":
+        sig = tl.sigmoid(x)
+        return x * sig, sig * (1.0 + x * (1.0 - sig))
+    else:
+        u = SQRT_2_OVER_PI * (x + GELU_TANH_COEFF * x * x * x)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0  # tanh(u)
+        du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_COEFF * x * x)
+        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+
+
+@triton.jit
 def bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexpr,
                     ACTIVATION: tl.constexpr):
     """The fp32 part of every epilogue: add bias (per output column), apply the activation."""

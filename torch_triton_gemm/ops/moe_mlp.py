@@ -25,20 +25,25 @@ Contract:
 
 Backward: the gate/up pre-activations are recomputed (the gather launch without the gated
 epilogue) rather than saved, so the forward keeps only its inputs. grad_out's rows are gathered
-inside the launch that multiplies them by w2; the input gradient goes out through the
-scattering launch and the same sum over k; the GLU derivative, the router weights' gradient
-(a row-wise dot of act(gate) * up with grad_out @ w2) and the weight scaling are elementwise
-torch ops (fused by Inductor under torch.compile). The weight gradients are
-tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x and of the weighted grad_out.
+inside the launch that multiplies them by w2; one elementwise kernel (kernels/glu.py) then
+gives the gradients of gate and up (router weight applied), the router weights' gradient (a
+row-wise dot of act(gate) * up with grad_out @ w2, one program per row: deterministic) and
+w * act(gate) * up for w2's gradient, with no fp32 temporaries. The input gradient goes out
+through the scattering launch and the same sum over k; the weight gradients are
+tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x's and grad_out's rows.
 
 This module reads top to bottom: checks, routing, the routed grouped product
-(tgemm::moe_routed_mm, used by the backward), the op body and fake, autograd, public API.
+(tgemm::moe_routed_mm, used by the backward), the gated activation's backward
+(tgemm::moe_glu_backward), the op body and fake, autograd, public API.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import device as _device
+from .. import tuning
+from ..kernels.glu import glu_backward_kernel
 from ._registry import define_triton_op
 from .checks import check, check_value
 from .grouped_launch import (
@@ -48,9 +53,11 @@ from .grouped_launch import (
     run_grouped_launch,
 )
 from .grouped_mm import grouped_mm
+from .launcher import launch_kernel
 
 OP = "tgemm::moe_mlp"
 ROUTED_OP = "tgemm::moe_routed_mm"
+GLU_BACKWARD_OP = "tgemm::moe_glu_backward"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = ("silu", "gelu")
@@ -196,6 +203,47 @@ def _moe_routed_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 moe_routed_mm_op = define_triton_op(ROUTED_OP, _moe_routed_mm_impl, _moe_routed_mm_fake)
 
 
+# --- the gated activation's backward ----------------------------------------------------------
+
+def _glu_backward_fake(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
+                       order: torch.Tensor, activation: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots, width = pre.shape
+    check(grad.shape == (slots, width // 2) and weights.shape == (slots,)
+          and order.shape == (slots,) and pre.stride(1) == 1 and grad.stride(1) == 1,
+          lambda: f"{GLU_BACKWARD_OP}: pre [S, 2I], grad [S, I] (unit column strides), weights "
+                   f"and order [S] expected; got {tuple(pre.shape)}, {tuple(grad.shape)}, "
+                   f"{tuple(weights.shape)}, {tuple(order.shape)}")
+    return (pre.new_empty(slots, width // 2), pre.new_empty(slots, width),
+            pre.new_empty(slots, dtype=torch.float32))
+
+
+def _glu_backward_impl(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
+                       order: torch.Tensor, activation: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/glu.py: (w * act(gate) * up, the gradients of gate and up, the router weights'
+    gradient at each slot's own place), from the pre-activations and the gradient of the gated
+    product of every sorted slot."""
+    h_weighted, grad_pre, grad_weights = _glu_backward_fake(pre, grad, weights, order,
+                                                            activation)
+    slots, inter = h_weighted.shape
+    if slots == 0:
+        return h_weighted, grad_pre, grad_weights
+    error = _device.kernel_device_error(pre.device)
+    check(error is None, lambda: f"{GLU_BACKWARD_OP}: {error}")
+    block_m, block_n, num_warps = tuning.glu_backward_tile()
+    grid = ((slots + block_m - 1) // block_m,)
+    launch_kernel(glu_backward_kernel, grid,
+                  (pre, grad, weights, order, h_weighted, grad_pre, grad_weights, slots, inter,
+                   pre.stride(0), grad.stride(0), h_weighted.stride(0), grad_pre.stride(0),
+                   activation),
+                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, True)
+    return h_weighted, grad_pre, grad_weights
+
+
+glu_backward_op = define_triton_op(GLU_BACKWARD_OP, _glu_backward_impl, _glu_backward_fake)
+
+
 # --- the op body --------------------------------------------------------------------------------
 
 def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -233,17 +281,6 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
 
 
-def _glu_parts(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """act(gate) and act'(gate) in fp32 (gelu: the tanh approximation the kernels use)."""
-    if activation == "silu":
-        sig = torch.sigmoid(gate)
-        return gate * sig, sig * (1 + gate * (1 - sig))
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate.pow(3))
-    tanh = torch.tanh(inner)
-    d_inner = 0.7978845608028654 * (1 + 3 * 0.044715 * gate.square())
-    return 0.5 * gate * (1 + tanh), 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh.square()) * d_inner
-
-
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
     x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
     need_x, need_w13, need_w2, _, need_weights = ctx.needs_input_grad[:5]
@@ -252,31 +289,24 @@ def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     routed = torch.ops.tgemm.moe_routed_mm
     grad = grad_out.to(dtype)
-    # Recomputed pre-activations, [S, 2I] (zeros for slots of no expert).
+    # Recomputed pre-activations, [S, 2I], and grad_out's rows gathered by slot times w2, the
+    # gradient of act(gate) * up before the router weight, [S, I] (zeros for slots of no
+    # expert, so that everything derived from them is zero too).
     pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
-    gate, up = pre.float().chunk(2, dim=-1)
-    act, d_act = _glu_parts(gate, ctx.activation)
-    h = act * up
-    # grad_out's rows gathered by slot, times w2: d(loss)/d(weighted w2 @ h), [S, I].
-    grad_h = routed(grad, w2, offs, token_rows, None, "gather", "none", True).float()
-    order_long = order.long()
-    weight = topk_weights.reshape(-1)[order_long].float()
-    grad_x = grad_w13 = grad_w2 = grad_weights = None
-    if need_weights:
-        # A permutation's scatter: every slot written once, no accumulation.
-        per_slot = (h * grad_h).sum(-1)
-        grad_weights = torch.empty_like(per_slot).scatter(0, order_long, per_slot)
-        grad_weights = grad_weights.view(tokens, top_k).to(topk_weights.dtype)
-    grad_h = grad_h * weight[:, None]
-    grad_pre = torch.cat((grad_h * up * d_act, grad_h * act), dim=-1).to(dtype)
+    grad_h = routed(grad, w2, offs, token_rows, None, "gather", "none", True)
+    weights = topk_weights.reshape(-1).contiguous()
+    h_weighted, grad_pre, grad_weights = torch.ops.tgemm.moe_glu_backward(
+        pre, grad_h, weights, order, ctx.activation)
+    grad_x = grad_w13 = grad_w2 = None
     if need_x:
         per_slot = routed(grad_pre, w13, offs, order, None, "scatter", "none", True)
         grad_x = per_slot.view(tokens, top_k, x.shape[1]).sum(1)
     if need_w13:
         grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
     if need_w2:
-        weighted = (grad.index_select(0, token_rows).float() * weight[:, None]).to(dtype)
-        grad_w2 = grouped_mm(weighted.t(), h.to(dtype), offs)
+        grad_w2 = grouped_mm(grad.index_select(0, token_rows).t(), h_weighted, offs)
+    grad_weights = (grad_weights.view(tokens, top_k).to(topk_weights.dtype) if need_weights
+                    else None)
     return grad_x, grad_w13, grad_w2, None, grad_weights, None
 
 
