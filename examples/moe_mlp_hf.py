@@ -58,6 +58,21 @@ def build_block(args: argparse.Namespace, device: str, dtype: torch.dtype,
     return block.to(device=device, dtype=dtype)
 
 
+class SameExperts(torch.nn.Module):
+    """A router that chooses the experts given (those the block under test chose) and weighs
+    them as Mixtral's router does, in its own parameters' precision: a float64 reference that
+    routes like a bf16 block, whose router could otherwise break near-ties differently."""
+
+    def __init__(self, gate: torch.nn.Module, indices: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.indices = gate.weight, indices
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        chosen = logits.softmax(dim=-1).gather(1, self.indices)
+        return logits, chosen / chosen.sum(dim=-1, keepdim=True), self.indices
+
+
 def outputs_and_grads(block: torch.nn.Module, x: torch.Tensor,
                       grad_out: torch.Tensor) -> list[torch.Tensor]:
     x = x.detach().requires_grad_()
@@ -90,8 +105,13 @@ def main() -> None:
     x = torch.randn(1, args.tokens, args.hidden, device=device, dtype=dtype)
     grad_out = torch.randn_like(x)
     ours = outputs_and_grads(swapped, x, grad_out)
-    # The reference: the original block in float64 (its per-expert loop), same routing.
-    reference = outputs_and_grads(copy.deepcopy(block).double(), x.double(), grad_out.double())
+    # The reference: the original block (its per-expert loop) in float64, routed to the same
+    # experts.
+    reference_block = copy.deepcopy(block).double()
+    with torch.no_grad():
+        _, _, chosen = swapped.gate(x.view(-1, args.hidden))
+    reference_block.gate = SameExperts(reference_block.gate, chosen)
+    reference = outputs_and_grads(reference_block, x.double(), grad_out.double())
     budget = 3e-2 if dtype == torch.bfloat16 else 1e-4
     names = ("out", "grad x", "grad gate_up_proj", "grad down_proj", "grad router")
     errors = [rel_error(o, r) for o, r in zip(ours, reference)]
