@@ -149,29 +149,22 @@ def pointer_tile(
     a_rows = in_rows
     if ROUTE == "gather":
         a_rows = widen(tl.load(rows_ptr + in_rows), INDEX_64)
+    # A gated tile accumulates BLOCK_N columns and, beside them, their partners: one dot.
+    ACC_N: tl.constexpr = BLOCK_N * (2 if GATE != "none" else 1)
+    pair = tl.arange(0, ACC_N)
+    in_cols = (wrapped(n0, n1, pid_n * BLOCK_N + pair % BLOCK_N, INDEX_64)
+               + widen(n1, INDEX_64) * (pair >= BLOCK_N))
+    acc = k_loop(
+        a_ptr, b_ptr, a_rows, in_cols, 0, k_size,
+        stride_am, stride_ak, stride_bk, stride_bn,
+        sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
+        BLOCK_M, ACC_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
+    )
     if GATE != "none":
-        # One dot over both halves: BLOCK_N columns and, beside them, their partners.
-        pair = tl.arange(0, 2 * BLOCK_N)
-        in_cols = (wrapped(n0, n1, pid_n * BLOCK_N + pair % BLOCK_N, INDEX_64)
-                   + widen(n1, INDEX_64) * (pair >= BLOCK_N))
-        both = k_loop(
-            a_ptr, b_ptr, a_rows, in_cols, 0, k_size,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
-            BLOCK_M, 2 * BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-            SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
-        )
-        gate, up = column_halves(both, BLOCK_M, 2 * BLOCK_N)
+        gate, up = column_halves(acc, BLOCK_M, ACC_N)
         acc = apply_activation(gate, GATE) * up
     else:
-        in_cols = wrapped(n0, n1, cols, INDEX_64)
-        acc = k_loop(
-            a_ptr, b_ptr, a_rows, in_cols, 0, k_size,
-            stride_am, stride_ak, stride_bk, stride_bn,
-            sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
-            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-            SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
-        )
         acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn,
                            SCALING)
     out_rows, limit, acc = routed_rows(rows_ptr, weights_ptr, m0, m1, rows, in_rows, acc,
