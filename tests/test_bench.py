@@ -895,3 +895,22 @@ def test_gpu_command_line_prints_the_summary_last(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 and all(float(r["ratio"]) > 0 and not r["error"] for r in rows)
     assert (tmp_path / "results.md").read_text().startswith("# torch_triton_gemm benchmark")
+
+
+@pytest.mark.parametrize("form", ["fwd", "fwd+bwd"])
+def test_moe_inputs_peer_and_reference_agree(form):
+    """The moe suite's inputs, its unfused torch._grouped_mm peer and its fp32 loop reference
+    compute the same block (on CPU, in fp32), and the error it reports is small."""
+    from torch_triton_gemm.bench import moe
+
+    case = MoECase("t", form, experts=4, top_k=2, hidden=32, inter=16, tokens=24)
+    args = moe.make_inputs(case, torch.device("cpu"))
+    x, w13, w2, ids, weights = args[:5]
+    assert (x.shape, w13.shape, w2.shape, ids.shape, weights.shape) == (
+        (24, 32), (4, 32, 32), (4, 32, 16), (24, 2), (24, 2))
+    assert x.dtype == w13.dtype == weights.dtype == torch.bfloat16
+    assert torch.allclose(weights.float().sum(-1), torch.ones(24), atol=1e-2)
+    assert (x.requires_grad and weights.requires_grad) == (form == "fwd+bwd")
+    fp32 = [t.detach().float() if t.is_floating_point() else t for t in (x, w13, w2, ids, weights)]
+    ref = moe.reference_moe(*fp32)
+    assert torch.allclose(moe.unfused_moe(*fp32), ref, rtol=1e-4, atol=1e-5)
