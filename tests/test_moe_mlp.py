@@ -386,12 +386,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
-def compile_for(route, gate, weights, tile):
+def compile_for(route, gate, weights, tile, tma=False):
     block_m, block_n, block_k, num_warps, num_stages = tile
     constants = dict(
         GROUPED="m", ZERO_TAIL=route == "scatter", HAS_BIAS=False, bias_ptr=None,
         SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, sa_ptr=None, sb_ptr=None,
-        USE_TMA=False, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=False, C_TMA=False,
+        USE_TMA=tma, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=tma, C_TMA=False,
         EPILOGUE_SUBTILE=1, INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False,
         ROUTE=route, GATE=gate, ROW_WEIGHTS=weights, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
@@ -410,12 +410,15 @@ def compile_for(route, gate, weights, tile):
         attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    print(route, gate, weights, "warp_group_dot" in compiled.asm["ttgir"])
+    ir = compiled.asm["ttgir"]
+    print(route, gate, weights, "warp_group_dot" in ir,
+          "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers")
 
 compile_for("gather", "silu", False, (128, 64, 64, 8, 3))
 compile_for("gather", "gelu", False, (64, 128, 64, 4, 3))
 compile_for("gather", "none", False, (128, 128, 64, 8, 3))
 compile_for("scatter", "none", True, (128, 128, 64, 8, 3))
+compile_for("scatter", "none", True, (128, 128, 64, 8, 3), tma=True)
 
 from torch_triton_gemm.kernels.glu import glu_backward_kernel as glu
 names = glu.arg_names
@@ -436,12 +439,14 @@ for activation in ("silu", "gelu"):
 def test_routed_kernel_compiles_for_hopper():
     """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
     gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), plain
-    gathered rows (the backward), and the weighted scatter; and the gated backward kernel."""
+    gathered rows (the backward), and the weighted scatter (pointer or TMA loads); and the
+    gated backward kernel."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
-    assert out == ["gather silu False True", "gather gelu False True", "gather none False True",
-                   "scatter none True True", "glu silu", "glu gelu"]
+    assert out == ["gather silu False True pointers", "gather gelu False True pointers",
+                   "gather none False True pointers", "scatter none True True pointers",
+                   "scatter none True True tma", "glu silu", "glu gelu"]
 
 
 _KEPT: list[torch.fx.GraphModule] = []

@@ -212,10 +212,11 @@ def grouped_mm_kernel(
     # 128-wide K block's scales (groups then never split K: GROUPED is not "k"). A group's
     # scales start at sa_ptr + g * stride_sag and sb_ptr + g * stride_sbg, indexed by the rows
     # and columns of the full operands, as the operands are.
-    # ROUTE / GATE / ROW_WEIGHTS (tgemm::moe_mlp, pointer loaders, GROUPED = "m"): M counts
-    # the sorted token slots; rows_ptr maps each to the row of A it reads ("gather") or the row
-    # of C it writes ("scatter", also for the zeroed tail); with GATE, N is the gated output's
-    # width and B holds 2N columns (see ``pointer_tile``).
+    # ROUTE / GATE / ROW_WEIGHTS (tgemm::moe_mlp, GROUPED = "m"): M counts the sorted token
+    # slots; rows_ptr maps each to the row of A it reads ("gather", pointer loaders) or the row
+    # of C it writes ("scatter": pointer stores, TMA or pointer loads; also for the zeroed
+    # tail); with GATE (pointer loaders), N is the gated output's width and B holds 2N columns
+    # (see ``pointer_tile``).
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -281,8 +282,12 @@ def grouped_mm_kernel(
                         store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n,
                                    BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
                     else:
-                        rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
-                        store_epilogue(acc, c_g, bias_g, rows, cols, m1, n1, stride_cm,
+                        # (A scattering launch stores its rows through rows_ptr.)
+                        rows, limit, acc = routed_rows(
+                            rows_ptr, weights_ptr, m0, m1, pid_m * BLOCK_M
+                            + tl.arange(0, BLOCK_M), scale_rows, acc, ROUTE, ROW_WEIGHTS,
+                            INDEX_64)
+                        store_epilogue(acc, c_g, bias_g, rows, cols, limit, n1, stride_cm,
                                        stride_cn, stride_bias_n, HAS_BIAS, "none")
                 # This program's first tile past the group, in its stride.
                 tile += tl.cdiv(tiles_end - tile, num_programs) * num_programs

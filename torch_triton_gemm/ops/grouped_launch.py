@@ -344,14 +344,17 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     p = Problem(form, a, b, out, offs, bias)
     if routing is not None:
         # Routed rows are the sorted slots; a gated product's out is half as wide as b.
+        # Gathered rows (and gated column pairs) load through pointers; a scattering launch
+        # may load through TMA but stores through pointers.
         p.M, p.N = routing.slots, out.shape[1]
-        use_tma = False
+        if routing.mode == "gather" or routing.gate != "none":
+            use_tma = False
     G, M, N = p.G, p.M, p.N
     if out.numel() == 0 or G == 0 and not zero_tail:
         return None
     loads = tma_loads(form, a, b, p) if use_tma is not False else pointer_loads(p)
     tma, a_strides, b_strides, flags = loads
-    c_tma = tma and _tma_stores(form, out, p)
+    c_tma = tma and routing is None and _tma_stores(form, out, p)
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
     gated = routing is not None and routing.gate != "none"
