@@ -67,10 +67,17 @@ def test_modelled_plans_come_from_the_space_without_stream_k_or_one_row_bands(h1
     assert plan.kernel == "portable" or plan.pad == (None if aligned else True)
 
 
-def test_outputs_narrower_than_every_tile_of_the_space_leave_the_choice_to_the_heuristic(h100):
-    # No tile of the space is under 64 columns wide: N = 8 gets no modelled plan, and the
-    # planner falls back to tuning.heuristic_mm_plan.
-    assert plan_model.modelled_plan(4096, 8, 4096, 2, 2, True, 132, True, True) is None
+@pytest.mark.parametrize("n, width", [(1, 16), (8, 16), (16, 16), (17, 32), (24, 32), (32, 32),
+                                      (48, 64), (64, 64)])
+def test_narrow_outputs_get_tiles_as_narrow_as_they_are(h100, n, width):
+    """Outputs under 64 columns take 16- or 32-wide tiles (as narrow as the output allows, none
+    narrower), and wider outputs none of them."""
+    for m, k in ((4096, 4096), (72, 8), (8, 6000)):
+        space = list(tuning.plan_space(m, n, k, 2, True, 132))
+        assert space and {p.tile.block_n for p in space if p.tile.block_n < 64} <= {width}
+        assert width == 64 or any(p.tile.block_n == width for p in space)
+        plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False)
+        assert plan is not None and plan.tile.block_n <= max(width, 64)
 
 
 def test_plan_space_keeps_one_row_bands_and_wide_portable_tiles_where_they_serve(h100):
