@@ -108,3 +108,20 @@ def test_predicted_time_grows_with_the_work(h100):
     times = [plan_model.predict_us(plan_model.H100_COSTS, plan, s, s, s, 2, 2)
              for s in (1024, 2048, 4096, 8192)]
     assert times == sorted(times) and times[-1] > 8 * times[1]
+
+
+def test_portable_reads_of_an_m_contiguous_a_are_costed_apart(h100):
+    """The portable kernel reading x.t() (A's columns contiguous) is a kernel of its own in the
+    model, slower per K step than row-major reads, so large weight-gradient products go to the
+    Hopper kernel (an H100 ran 1728 x 1280 x 768 with A M-contiguous at 0.31x cuBLAS on a
+    portable plan)."""
+    assert plan_model.cost_kernel("portable", False, True) == "portable-mcol"
+    assert plan_model.cost_kernel("portable", True, True) == "portable-narrow"
+    assert plan_model.cost_kernel("tma", False, True) == "tma"
+    costs = plan_model.H100_COSTS
+    plan = tuning.MMPlan("portable", tuning.TileConfig(64, 128, 64, 8, 4, 4))
+    row_major = plan_model.predict_us(costs, plan, 1728, 1280, 768, 2, 2, True, False, False)
+    m_contiguous = plan_model.predict_us(costs, plan, 1728, 1280, 768, 2, 2, True, False, True)
+    assert m_contiguous > row_major
+    chosen = plan_model.modelled_plan(1728, 1280, 768, 2, 2, True, 132, True, False, True)
+    assert chosen.kernel == "tma"
