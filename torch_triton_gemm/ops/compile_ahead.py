@@ -215,10 +215,10 @@ def background_enabled(device: torch.device) -> bool:
     compiles) by timing."""
     if os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0":
         return False
-    return _compiles(device) and not tuning.autotune_enabled()
+    return compiles(device) and not tuning.autotune_enabled()
 
 
-def _compiles(device: torch.device) -> bool:
+def compiles(device: torch.device) -> bool:
     """Whether kernels for ``device`` are compiled at all (not under the interpreter)."""
     return device.type == "cuda" and not _device.interpreter_enabled()
 

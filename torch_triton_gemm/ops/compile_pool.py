@@ -60,11 +60,14 @@ class CompilePool:
     def __init__(self, compile: Callable[..., Any], workers: int | None = None) -> None:
         self._compile = compile
         self._workers = workers
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a done callback may run inside submit)
         self._futures: dict[Hashable, Future] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._noticed = False
-        self.busy = False  # any future submitted: launches must look here first
+        self._unfinished = 0
+        # Whether some variant is queued or compiling: launches look here first, and find
+        # nothing to wait for (no key to work out) once the pool is idle.
+        self.busy = False
 
     def workers(self) -> int:
         """The worker threads: TORCH_TRITON_GEMM_COMPILE_THREADS, else half the CPU cores (the
@@ -90,8 +93,15 @@ class CompilePool:
                                                     thread_name_prefix="tgemm-compile")
             future = self._executor.submit(self._compile, *job)
             self._futures[key] = future
+            self._unfinished += 1
             self.busy = True
-            return future
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, future: Future) -> None:
+        with self._lock:
+            self._unfinished -= 1
+            self.busy = self._unfinished > 0
 
     def future(self, key: Hashable) -> Future | None:
         return self._futures.get(key)
@@ -139,12 +149,15 @@ class CompilePool:
                 pass
 
     def reset(self) -> None:
-        """Forget every variant and report waits again (tests)."""
+        """Forget every variant, report waits again and stop the workers (tests)."""
         self.drain()
         with self._lock:
             self._futures.clear()
-            self.busy = False
             self._noticed = False
+            if self._executor is not None:
+                self._executor.shutdown()  # its threads end after the done callbacks
+                self._executor = None
+            self._unfinished, self.busy = 0, False
 
 
 def compile_variant(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
