@@ -425,3 +425,83 @@ def test_cli_run_on_cpu(capsys):
     with pytest.raises(SystemExit):
         warming.main(["--shapes", "64x48", "--device", "cpu"])
     assert warming.parse_shapes("1x2x3, 4X5X6") == [(1, 2, 3), (4, 5, 6)]
+
+
+@pytest.mark.parametrize("how", ["tokens", "example_input"])
+def test_warmup_covers_a_training_step_under_the_override(monkeypatch, how):
+    """The benchmark's Llama-style model, one training step under ``override()``: every kernel
+    variant it launches is one that ``warmup`` plans for the model."""
+    from torch_triton_gemm.bench.model import TinyLlama, train_step
+
+    batch, seq = 2, 8
+    model = TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=48, max_seq=seq)
+    tokens = torch.randint(64, (batch, seq + 1))
+    if how == "tokens":
+        specs = warming.model_specs(model, tokens=batch * seq)
+    else:
+        specs = warming.model_specs(model, example_input=tokens[:, :-1])
+    planned = _keys(warming.all_specs(specs))
+    launched = _record_launches(monkeypatch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.override() as ov:
+        train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+    assert ov.counts["mm"] == 8 and len(launched) >= 3 * 8  # 8 linears, forward and backward
+    assert set(launched) <= planned
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+def _triton_cache_entries() -> dict[str, set]:
+    """The variants in Triton's in-memory caches of the GEMM kernels, on the current GPU."""
+    device = torch.cuda.current_device()
+    entries = {}
+    for kernel in (launcher.mm_kernel, launcher.mm_tma_kernel, launcher.splitk_reduce_kernel):
+        caches = kernel.device_caches.get(device)
+        entries[kernel.__name__] = set(caches[0]) if caches else set()
+    return entries
+
+
+@pytest.mark.gpu
+def test_after_warmup_a_training_step_compiles_nothing():
+    """The variants warmup compiles on the pool (stand-ins for the tensors, Triton's warmup)
+    are the ones a training step under the override launches: the step finds them all in
+    Triton's cache."""
+    from torch_triton_gemm.bench.model import TinyLlama, train_step
+
+    batch, seq = 2, 96  # M = 192: not a multiple of 16 in every product's sizes
+    model = TinyLlama(vocab=1000, hidden=192, heads=3, layers=1, intermediate=520,
+                      max_seq=seq).to(device="cuda", dtype=torch.bfloat16)
+    result = tg.warmup(model, tokens=batch * seq, progress=False)
+    assert result.failures == () and result.variants > 0
+    before = _triton_cache_entries()
+    tokens = torch.randint(1000, (batch, seq + 1), device="cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.override():
+        train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+    torch.cuda.synchronize()
+    after = _triton_cache_entries()
+    assert {name: after[name] - before[name] for name in after} == {
+        name: set() for name in after}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_background_compilation_gives_correct_results(monkeypatch, fresh_pool, transposed):
+    """First calls with background compilation on: forward and gradients match float64, and
+    every variant the pool compiled built."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1")
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    M, N, K = 333, 272, 1000 + 8 * int(transposed)  # fresh signatures
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = (w.t() if transposed else w.t().contiguous()).detach().requires_grad_()
+    out = tg.mm(x, b)
+    assert fresh_pool.busy or fresh_pool._futures  # the backward's variants were submitted
+    grad = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    out.backward(grad)
+    x64, b64 = x.detach().double(), b.detach().double()
+    reference = (x64 @ b64, grad.double() @ b64.t(), x64.t() @ grad.double())
+    for got, want in zip((out, x.grad, b.grad), reference):
+        assert (got.double() - want).norm() <= 2e-2 * want.norm()
+    fresh_pool.drain(60)
+    assert all(f.exception() is None for f in fresh_pool._futures.values())
