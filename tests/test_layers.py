@@ -20,7 +20,8 @@ OPS = tuple(f"{PACKAGE}.ops.{name}" for name in ("mm", "grouped_mm", "grouped_mm
                                                    "scaled_mm", "scaled_grouped_mm"))
 # The layers beneath the ops: planning, launching and what both read.
 LAYERS = tuple(f"{PACKAGE}.ops.{name}" for name in ("checks", "operands", "launcher",
-                                                      "grouped_launch", "planner"))
+                                                      "grouped_launch", "planner",
+                                                      "compile_pool", "compile_ahead"))
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -116,6 +117,16 @@ def test_the_launcher_and_tuning_are_below_the_planner():
     planner = f"{PACKAGE}.ops.planner"
     assert planner not in GRAPH[f"{PACKAGE}.ops.launcher"]
     assert planner not in GRAPH[f"{PACKAGE}.tune"]
+
+
+def test_compiling_ahead_sits_beside_the_ops():
+    """compile_ahead plans through the planner and launcher; the launcher only waits on the
+    compile pool, beneath both."""
+    ahead, pool = f"{PACKAGE}.ops.compile_ahead", f"{PACKAGE}.ops.compile_pool"
+    assert {f"{PACKAGE}.ops.planner", f"{PACKAGE}.ops.launcher"} <= GRAPH[ahead]
+    for layer in (f"{PACKAGE}.ops.launcher", f"{PACKAGE}.ops.planner", pool):
+        assert ahead not in GRAPH[layer]
+    assert not GRAPH[pool] & set(LAYERS)
 
 
 def test_kernels_import_no_torch():

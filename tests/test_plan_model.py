@@ -67,10 +67,17 @@ def test_modelled_plans_come_from_the_space_without_stream_k_or_one_row_bands(h1
     assert plan.kernel == "portable" or plan.pad == (None if aligned else True)
 
 
-def test_outputs_narrower_than_every_tile_of_the_space_leave_the_choice_to_the_heuristic(h100):
-    # No tile of the space is under 64 columns wide: N = 8 gets no modelled plan, and the
-    # planner falls back to tuning.heuristic_mm_plan.
-    assert plan_model.modelled_plan(4096, 8, 4096, 2, 2, True, 132, True, True) is None
+@pytest.mark.parametrize("n, width", [(1, 16), (8, 16), (16, 16), (17, 32), (24, 32), (32, 32),
+                                      (48, 64), (64, 64)])
+def test_narrow_outputs_get_tiles_as_narrow_as_they_are(h100, n, width):
+    """Outputs under 64 columns take 16- or 32-wide tiles (as narrow as the output allows, none
+    narrower), and wider outputs none of them."""
+    for m, k in ((4096, 4096), (72, 8), (8, 6000)):
+        space = list(tuning.plan_space(m, n, k, 2, True, 132))
+        assert space and {p.tile.block_n for p in space if p.tile.block_n < 64} <= {width}
+        assert width == 64 or any(p.tile.block_n == width for p in space)
+        plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False)
+        assert plan is not None and plan.tile.block_n <= max(width, 64)
 
 
 def test_plan_space_keeps_one_row_bands_and_wide_portable_tiles_where_they_serve(h100):
@@ -101,3 +108,20 @@ def test_predicted_time_grows_with_the_work(h100):
     times = [plan_model.predict_us(plan_model.H100_COSTS, plan, s, s, s, 2, 2)
              for s in (1024, 2048, 4096, 8192)]
     assert times == sorted(times) and times[-1] > 8 * times[1]
+
+
+def test_portable_reads_of_an_m_contiguous_a_are_costed_apart(h100):
+    """The portable kernel reading x.t() (A's columns contiguous) is a kernel of its own in the
+    model, slower per K step than row-major reads, so large weight-gradient products go to the
+    Hopper kernel (an H100 ran 1728 x 1280 x 768 with A M-contiguous at 0.31x cuBLAS on a
+    portable plan)."""
+    assert plan_model.cost_kernel("portable", False, True) == "portable-mcol"
+    assert plan_model.cost_kernel("portable", True, True) == "portable-narrow"
+    assert plan_model.cost_kernel("tma", False, True) == "tma"
+    costs = plan_model.H100_COSTS
+    plan = tuning.MMPlan("portable", tuning.TileConfig(64, 128, 64, 8, 4, 4))
+    row_major = plan_model.predict_us(costs, plan, 1728, 1280, 768, 2, 2, True, False, False)
+    m_contiguous = plan_model.predict_us(costs, plan, 1728, 1280, 768, 2, 2, True, False, True)
+    assert m_contiguous > row_major
+    chosen = plan_model.modelled_plan(1728, 1280, 768, 2, 2, True, 132, True, False, True)
+    assert chosen.kernel == "tma"

@@ -12,7 +12,8 @@ from .ops.scaled_grouped_mm import scaled_grouped_mm
 from .ops.scaled_mm import scaled_mm
 from .override import override
 from .quantize import dequantize, quantize
+from .warming import warmup
 
 __all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "moe_mlp", "override", "quantize",
-           "scaled_grouped_mm", "scaled_mm"]
+           "scaled_grouped_mm", "scaled_mm", "warmup"]
 __version__ = "0.1.0"

@@ -57,10 +57,14 @@ class Costs:
     machine: Machine
 
 
-def cost_kernel(kernel: str, narrow: bool) -> str:
+def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False) -> str:
     """The kernel name costs are kept under: the portable kernel reading operands whose pitches
-    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart."""
-    return "portable-narrow" if kernel == "portable" and narrow else kernel
+    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart; so
+    is the portable kernel reading an M-contiguous A (x.t() in a weight gradient), which ran at
+    a third of the Hopper kernel's speed on an H100 (128 x 4416 x 2432: 32.6 us against 17.9)."""
+    if kernel != "portable":
+        return kernel
+    return "portable-narrow" if narrow else "portable-mcol" if a_m_contiguous else kernel
 
 
 def _tile_key(kernel: str, tile: tuning.TileConfig) -> tuple[str, int, int, int, int]:
@@ -126,13 +130,14 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
 
 
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
-               out_size: int, aligned: bool = True, narrow: bool = False) -> float:
+               out_size: int, aligned: bool = True, narrow: bool = False,
+               a_m_contiguous: bool = False) -> float:
     """Predicted kernel-only time of ``plan`` on an m x n x k product, in microseconds
     (``aligned``: the operands can be described for TMA as they are; ``narrow``: their pitches
-    are not all multiples of 16 elements)."""
+    are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
-    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow), plan.tile)
+    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous), plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
@@ -149,10 +154,10 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
 
 def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: int,
               element_size: int, out_size: int, aligned: bool = True,
-              narrow: bool = False) -> tuning.MMPlan:
+              narrow: bool = False, a_m_contiguous: bool = False) -> tuning.MMPlan:
     """The plan of ``plans`` with the least predicted time (the first of equals)."""
     return min(plans, key=lambda p: predict_us(costs, p, m, n, k, element_size, out_size,
-                                               aligned, narrow))
+                                               aligned, narrow, a_m_contiguous))
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:
@@ -165,65 +170,95 @@ def with_machine(costs: Costs, num_sms: int) -> Costs:
 
 
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
-                  num_sms: int, aligned: bool, narrow: bool) -> tuning.MMPlan | None:
+                  num_sms: int, aligned: bool, narrow: bool,
+                  a_m_contiguous: bool = False) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
     SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
-    elements (the portable kernel then loads without wide vectors). None where no plan of the
-    space fits the GPU's shared memory."""
+    elements (the portable kernel then loads without wide vectors); ``a_m_contiguous``: A's
+    columns are contiguous. None where no plan of the space fits the GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms)
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
              if not p.stream_k]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
-    return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow)
+    return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,
+                     a_m_contiguous)
 
 
-# Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv (one H100
-# SXM, torch 2.11, Triton 3.6): kernel-only times of every plan of the plan space on 480 shapes.
+# Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv and
+# plans-h100-seed1-narrow.csv (one H100 SXM, torch 2.11, Triton 3.6): kernel-only times of every
+# plan of the plan space on 480 shapes, and of the narrow tiles on its 85 outputs under 64 columns.
 H100_COSTS = Costs(
-    launch_us={'reduce': 1.226, 'copy': 3.832},
-    exchange_us=0.7556,
+    launch_us={'reduce': 1.219, 'copy': 3.725},
+    exchange_us=0.7578,
     tiles={
-        ('portable', 16, 64, 4, 4): TileCost(2.267, 0.7036, 1.54),
-        ('portable', 16, 64, 4, 6): TileCost(2.924, 0.3401, 1.012),
-        ('portable', 16, 128, 4, 4): TileCost(2.766, 0.5454, 1.196),
-        ('portable', 32, 64, 4, 4): TileCost(3.643, 0.4887, 0.2885),
-        ('portable', 32, 128, 4, 4): TileCost(2.335, 0.6374, 1.803),
-        ('portable', 64, 64, 4, 4): TileCost(2.506, 0.3575, 1.661),
-        ('portable', 64, 64, 4, 5): TileCost(3.327, 0.1893, 0.7986),
-        ('portable', 64, 128, 4, 4): TileCost(3.188, 0.2751, 1.032),
-        ('portable', 64, 256, 4, 4): TileCost(2.32, 0.388, 2.543),
-        ('portable', 128, 64, 4, 4): TileCost(4.398, 0.4524, 0.6237),
-        ('portable-narrow', 16, 64, 4, 4): TileCost(3.374, 25.1, 30.75),
-        ('portable-narrow', 16, 64, 4, 6): TileCost(3.645, 0.9683, 0.2253),
-        ('portable-narrow', 16, 128, 4, 4): TileCost(1.538, 5.038, 1.685),
-        ('portable-narrow', 32, 64, 4, 4): TileCost(3.637, 1.527, 1.263e-06),
-        ('portable-narrow', 32, 128, 4, 4): TileCost(5.422e-06, 11.64, 5.24e-06),
-        ('portable-narrow', 64, 64, 4, 4): TileCost(2.955, 4.408, 0.019),
-        ('portable-narrow', 64, 64, 4, 5): TileCost(3.394, 0.8108, 0.4588),
-        ('portable-narrow', 64, 128, 4, 4): TileCost(3.793, 2.334, 0.24),
-        ('portable-narrow', 64, 256, 4, 4): TileCost(5.444e-06, 13.59, 1.024),
-        ('portable-narrow', 128, 64, 4, 4): TileCost(0.0001452, 11.86, 0.62),
-        ('portable-narrow', 128, 128, 8, 5): TileCost(2.002, 2.176, 1.805),
-        ('tma', 16, 64, 4, 4): TileCost(4.464, 0.8833, 0.624),
-        ('tma', 16, 64, 4, 6): TileCost(4.956, 0.4597, 0.7323),
-        ('tma', 16, 128, 4, 4): TileCost(3.874, 0.6188, 1.651),
-        ('tma', 32, 64, 4, 4): TileCost(4.589, 0.5541, 0.9476),
-        ('tma', 32, 128, 4, 4): TileCost(3.822, 0.5321, 2.22),
-        ('tma', 64, 64, 4, 4): TileCost(5.477, 0.396, 0.4268),
-        ('tma', 64, 64, 4, 5): TileCost(5.935, 0.2227, 0.4126),
-        ('tma', 64, 128, 4, 4): TileCost(5.593, 0.3191, 0.8226),
-        ('tma', 64, 256, 4, 4): TileCost(4.427, 0.4969, 2.746),
-        ('tma', 128, 64, 4, 4): TileCost(5.677, 0.3544, 0.7352),
-        ('tma', 128, 128, 4, 4): TileCost(5.674, 0.4892, 2.086),
-        ('tma', 128, 128, 8, 4): TileCost(6.23, 0.4559, 1.474),
-        ('tma', 128, 128, 8, 5): TileCost(6.288, 0.3533, 0.9424),
-        ('tma', 128, 256, 8, 3): TileCost(7.223, 0.7481, 3.358),
-        ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6576, 2.135),
-        ('tma', 256, 128, 8, 3): TileCost(6.329, 0.8465, 3.227),
+        ('portable', 16, 16, 4, 4): TileCost(1.765, 0.7165, 0.449),
+        ('portable', 16, 32, 4, 4): TileCost(1.816, 0.2659, 0.4516),
+        ('portable', 16, 64, 4, 4): TileCost(2.268, 0.6765, 1.553),
+        ('portable', 16, 64, 4, 6): TileCost(2.961, 0.3342, 0.9991),
+        ('portable', 16, 128, 4, 4): TileCost(2.853, 0.5423, 1.118),
+        ('portable', 32, 32, 4, 4): TileCost(1.845, 0.4271, 0.4535),
+        ('portable', 32, 64, 4, 4): TileCost(3.706, 0.4817, 0.2617),
+        ('portable', 32, 128, 4, 4): TileCost(2.49, 0.632, 1.672),
+        ('portable', 64, 16, 4, 4): TileCost(2.574, 0.2006, 0.9059),
+        ('portable', 64, 32, 4, 4): TileCost(2.256, 0.2906, 0.4744),
+        ('portable', 64, 64, 4, 4): TileCost(2.48, 0.3506, 1.701),
+        ('portable', 64, 64, 4, 5): TileCost(3.282, 0.1874, 0.787),
+        ('portable', 64, 128, 4, 4): TileCost(3.149, 0.273, 1.023),
+        ('portable', 64, 256, 4, 4): TileCost(2.21, 0.3864, 2.522),
+        ('portable', 128, 64, 4, 4): TileCost(3.851, 0.6413, 0.7192),
+        ('portable-mcol', 16, 64, 4, 4): TileCost(2.393, 1.208, 0.9983),
+        ('portable-mcol', 16, 64, 4, 6): TileCost(2.515, 0.5295, 1.042),
+        ('portable-mcol', 16, 128, 4, 4): TileCost(2.965, 0.8786, 0.5989),
+        ('portable-mcol', 32, 64, 4, 4): TileCost(3.042, 0.601, 0.5962),
+        ('portable-mcol', 32, 128, 4, 4): TileCost(3.081, 0.9476, 0.598),
+        ('portable-mcol', 64, 64, 4, 4): TileCost(3.061, 0.8238, 0.4378),
+        ('portable-mcol', 64, 64, 4, 5): TileCost(3.407, 0.4162, 0.6258),
+        ('portable-mcol', 64, 128, 4, 4): TileCost(3.368, 0.5807, 0.7645),
+        ('portable-mcol', 64, 256, 4, 4): TileCost(2.837, 1.319, 1.897),
+        ('portable-mcol', 128, 64, 4, 4): TileCost(9.157, 0.251, 0.3765),
+        ('portable-narrow', 16, 16, 4, 4): TileCost(1.316, 0.9564, 0.4164),
+        ('portable-narrow', 16, 32, 4, 4): TileCost(2.103, 0.6558, 0.4676),
+        ('portable-narrow', 16, 64, 4, 4): TileCost(4.557, 25.08, 29.77),
+        ('portable-narrow', 16, 64, 4, 6): TileCost(3.645, 0.9685, 0.2253),
+        ('portable-narrow', 16, 128, 4, 4): TileCost(1.605, 5.04, 1.622),
+        ('portable-narrow', 32, 32, 4, 4): TileCost(2.866, 0.7754, 0.4962),
+        ('portable-narrow', 32, 64, 4, 4): TileCost(3.517, 1.538, 0.0679),
+        ('portable-narrow', 32, 128, 4, 4): TileCost(0.2694, 11.39, 0.1915),
+        ('portable-narrow', 64, 16, 4, 4): TileCost(2.47, 0.9891, 0.339),
+        ('portable-narrow', 64, 32, 4, 4): TileCost(3.155, 1.676, 0.5666),
+        ('portable-narrow', 64, 64, 4, 4): TileCost(2.866, 4.38, 0.1291),
+        ('portable-narrow', 64, 64, 4, 5): TileCost(3.386, 0.8264, 0.4403),
+        ('portable-narrow', 64, 128, 4, 4): TileCost(3.781, 2.331, 0.2546),
+        ('portable-narrow', 64, 256, 4, 4): TileCost(0.3793, 13.67, 0.5205),
+        ('portable-narrow', 128, 64, 4, 4): TileCost(16.29, 0.1478, 0.1675),
+        ('portable-narrow', 128, 128, 8, 5): TileCost(2.238, 2.18, 1.572),
+        ('tma', 16, 16, 4, 4): TileCost(3.871, 0.4647, 0.5206),
+        ('tma', 16, 32, 4, 4): TileCost(3.048, 0.3265, 0.5013),
+        ('tma', 16, 64, 4, 4): TileCost(4.475, 0.8834, 0.6228),
+        ('tma', 16, 64, 4, 6): TileCost(4.966, 0.4597, 0.7316),
+        ('tma', 16, 128, 4, 4): TileCost(3.882, 0.6189, 1.65),
+        ('tma', 32, 32, 4, 4): TileCost(4.118, 0.2919, 0.5239),
+        ('tma', 32, 64, 4, 4): TileCost(4.595, 0.5542, 0.9485),
+        ('tma', 32, 128, 4, 4): TileCost(3.831, 0.5322, 2.216),
+        ('tma', 64, 16, 4, 4): TileCost(3.684, 0.2375, 0.7383),
+        ('tma', 64, 32, 4, 4): TileCost(2.731, 0.2263, 1.575),
+        ('tma', 64, 64, 4, 4): TileCost(5.455, 0.394, 0.434),
+        ('tma', 64, 64, 4, 5): TileCost(5.895, 0.222, 0.4211),
+        ('tma', 64, 128, 4, 4): TileCost(5.604, 0.3192, 0.8232),
+        ('tma', 64, 256, 4, 4): TileCost(4.438, 0.4968, 2.749),
+        ('tma', 128, 16, 4, 4): TileCost(2.957, 0.3556, 1.548),
+        ('tma', 128, 32, 4, 4): TileCost(4.026, 0.2226, 0.4543),
+        ('tma', 128, 64, 4, 4): TileCost(5.625, 0.3528, 0.7476),
+        ('tma', 128, 128, 4, 4): TileCost(5.699, 0.4892, 2.08),
+        ('tma', 128, 128, 8, 4): TileCost(6.246, 0.4559, 1.473),
+        ('tma', 128, 128, 8, 5): TileCost(6.29, 0.3535, 0.9403),
+        ('tma', 128, 256, 8, 3): TileCost(7.269, 0.7479, 3.356),
+        ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6578, 2.138),
+        ('tma', 256, 128, 8, 3): TileCost(6.372, 0.8464, 3.223),
     },
-    machine=Machine(132, 2.46e+06, 1.151e+05),
+    machine=Machine(132, 2.46e+06, 9.727e+04),
 )

@@ -39,6 +39,7 @@ class Timed:
     aligned: bool
     plan: tuning.MMPlan
     narrow: bool  # an operand pitch is not a multiple of 16 elements
+    a_m_contiguous: bool  # A stored [K, M] (transposed): its columns are contiguous
     us: float
     cublas_us: float
     heuristic: bool
@@ -62,7 +63,8 @@ def read(paths: Sequence[str]) -> list[Timed]:
                          r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
                 rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
                                   1 if r["dtype"].startswith("fp8") else 2,
-                                  r["aligned"] == "True", plan, _narrow(r), float(r["us"]),
+                                  r["aligned"] == "True", plan, _narrow(r),
+                                  r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
                                   float(r["cublas_us"]), r["heuristic"] == "True"))
     return rows
 
@@ -78,7 +80,8 @@ def _narrow(r: dict[str, str]) -> bool:
 
 
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
-    return plan_model._tile_key(plan_model.cost_kernel(r.plan.kernel, r.narrow), r.plan.tile)
+    return plan_model._tile_key(
+        plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous), r.plan.tile)
 
 
 def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
@@ -149,7 +152,8 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
         # The planner leaves stream-K out (see tuning.plan_space's ``stream_k``).
         eligible = [r for r in timed if not r.plan.stream_k] or timed
         choice = min(eligible, key=lambda r: plan_model.predict_us(
-            costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned, r.narrow))
+            costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned, r.narrow,
+            r.a_m_contiguous))
         best = min(timed, key=lambda r: r.us)
         picked.append(first.cublas_us / choice.us)
         oracle.append(first.cublas_us / best.us)

@@ -201,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compile-budget", type=float, default=math.inf, metavar="S",
                         help="stop the parallel compiles after S seconds")
     parser.add_argument("--no-stream-k", action="store_true", help="leave stream-K plans out")
+    parser.add_argument("--max-n", type=int, default=None, metavar="N",
+                        help="only shapes with at most N output columns")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     args = parser.parse_args(argv)
@@ -208,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the plan sweep needs a CUDA GPU")
     start = time.perf_counter()
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
+    if args.max_n is not None:
+        cases = [case for case in cases if case.n <= args.max_n]
     jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
             for case in cases]
     if args.chosen_only:

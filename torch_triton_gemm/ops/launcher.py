@@ -10,6 +10,7 @@ per-signature memo of eager launches and the test for calls that may skip the di
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from .checks import check, input_precision, needs_int64_indexing
+from .compile_pool import POOL, variant_key
 from .operands import Pad, kernel_operands
 
 
@@ -221,7 +223,20 @@ def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Ma
         return
     with _device.SHARED_SCRATCH:
         if compiled is None or not _launch_compiled(compiled, kernel, grid, args, meta):
+            if POOL.busy:
+                wait_for_compilation(kernel, args, meta)
             kernel[grid](*args, **meta)
+
+
+def wait_for_compilation(kernel: Any, args: tuple[Any, ...], meta: Mapping[str, Any]) -> None:
+    """Before launching through Triton's JIT: wait for this variant if the compile pool is
+    building it (compile_pool.py), rather than compile it a second time."""
+    device = -1 if _INTERPRETED else torch._C._cuda_getDevice()
+    POOL.wait(variant_key(kernel, args, meta, device), _kernel_name(kernel))
+
+
+def _kernel_name(kernel: Any) -> str:
+    return f"the GEMM kernel {getattr(kernel, '__name__', None) or kernel!r}"
 
 
 def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
@@ -241,7 +256,13 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
     device = torch._C._cuda_getDevice()
     entry = cache.get(device)
     if entry is None:
+        # The variant's first launch here: Triton compiles it unless its cache (or the compile
+        # pool) already has it; a long wait is reported once.
+        start = time.perf_counter()
+        if POOL.busy:
+            wait_for_compilation(kernel, args, meta)
         launched = kernel[grid](*args, **meta)
+        POOL.notice(time.perf_counter() - start, _kernel_name(kernel))
         if launched is not None and hasattr(launched, "result"):
             launched = launched.result()
         # The launcher takes every parameter, constexprs included, in signature order.

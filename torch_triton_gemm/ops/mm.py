@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.tiles import ACTIVATIONS
+from . import compile_ahead
 from ._registry import define_triton_op, eager_autograd_function
 from .checks import (
     FP8_DTYPES,
@@ -149,7 +150,11 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
         out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
         prepared = _prepare_launch(a, b, bias, out, activation, False)
-        return out, None if prepared is None else kept(prepared)
+        if prepared is None:
+            return out, None
+        if compile_ahead.background_enabled(a.device):
+            compile_ahead.first_call(a, b, bias, activation, out, prepared)
+        return out, kept(prepared)
 
     out, prepared = memoised_eager_call(signature, first_call, a)
     if prepared is not None:
@@ -187,6 +192,8 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
     ctx.a_transposed, ctx.b_transposed = _is_transposed(a), _is_transposed(b)
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    if getattr(compile_ahead.PENDING, "call", None) is not None:
+        compile_ahead.recorded(a, b)  # a first call: its backward's kernels compile meanwhile
 
 
 def _is_transposed(t: torch.Tensor) -> bool:

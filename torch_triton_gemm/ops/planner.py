@@ -36,7 +36,7 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     aligned = tma_args is not None and pads == (None, None)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
-                 (aligned, _narrow(a, b)))
+                 (aligned, _narrow(a, b), a.stride(0) == 1 and a.stride(1) != 1 and M > 1))
 
 
 def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,9 +55,10 @@ def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
           out_size: int, layout: int, tma: bool, eager: bool,
           scales: GemmScales | None = None,
-          view: tuple[bool, bool] | None = None) -> tuning.MMPlan:
+          view: tuple[bool, bool, bool] | None = None) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
-    operands on a GPU, the plan model's (``view``: aligned, narrow; see ``plan_mm``), else the
+    operands on a GPU, the plan model's (``view``: aligned, narrow, A M-contiguous; see
+    ``plan_mm``), else the
     heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
     plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
     heuristic's plan for their recipe: tuned plans were timed on unscaled products."""

@@ -1,0 +1,507 @@
+"""Compiling ahead: which kernel variants a product and its backward need (checked against the
+launches real calls make), the compile pool (one compilation per variant, waits, the notice),
+the hooks of tgemm::mm's first calls, ``torch_triton_gemm.warmup`` and its command line.
+
+On CPU nothing compiles (Triton's interpreter): the pool runs fake compile functions here, and
+the variants are compared by their keys, which are what Triton specialises on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import tuning, warming
+from torch_triton_gemm.ops import compile_ahead, compile_pool, launcher
+from torch_triton_gemm.ops.compile_ahead import OperandSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPE = torch.float16  # the interpreter's tl.dot is wrong on bf16
+TILE = tuning.TileConfig(16, 32, 32, 1, 4, 2)
+PLANS = {
+    "heuristic": None,
+    # The interpreter counts 4 SMs: 40 x 48 outputs in 16 x 32 tiles leave a partial wave,
+    # whose tiles split K (a whole-tile launch, a split launch and the reduction).
+    "portable-tail-split3": tuning.MMPlan("portable", TILE, split_k=3, split_tail=True),
+    "tma-split3": tuning.MMPlan("tma", TILE, split_k=3),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool():
+    """Every test starts and ends with an empty compile pool running the real compile."""
+    compile_pool.POOL.reset()
+    yield compile_pool.POOL
+    compile_pool.POOL.reset()
+    compile_pool.POOL._compile = compile_pool.compile_variant
+    compile_pool.POOL._workers = None
+    compile_ahead.PENDING.call = None
+
+
+def _operand(rows: int, cols: int, transposed: bool, requires_grad: bool = True
+             ) -> torch.Tensor:
+    t = torch.randn(cols, rows, dtype=DTYPE).t() if transposed else torch.randn(
+        rows, cols, dtype=DTYPE)
+    return t.detach().requires_grad_(requires_grad)
+
+
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record the variant of every kernel launch the launcher makes."""
+    launched: list[tuple] = []
+    real = launcher.launch_kernel
+
+    def recording(kernel, grid, args, meta, traceable, compiled=None):  # type: ignore[no-untyped-def]
+        launched.append(compile_pool.variant_key(kernel, args, meta, -1))
+        return real(kernel, grid, args, meta, traceable, compiled)
+
+    monkeypatch.setattr(launcher, "launch_kernel", recording)
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})  # every call is a first call
+    return launched
+
+
+def _keys(specs: list[compile_ahead.GemmSpec]) -> set[tuple]:
+    return {v.key() for spec in specs for v in compile_ahead.variants(spec)}
+
+
+# --- the products and variants a call needs -------------------------------------------------------
+
+def test_backward_specs_of_a_linear_layer():
+    M, N, K = 64, 48, 32
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")  # x @ W.t()
+    assert (tuple(spec.a.shape), spec.a.stride()) == ((M, K), (K, 1))
+    assert (tuple(spec.b.shape), spec.b.stride()) == ((K, N), (1, K))
+    grad_a, grad_b = compile_ahead.backward_specs(spec)
+    # grad_x = grad @ W: [M, N] x [N, K], W row-major.
+    assert (tuple(grad_a.a.shape), grad_a.a.stride()) == ((M, N), (N, 1))
+    assert (tuple(grad_a.b.shape), grad_a.b.stride()) == ((N, K), (K, 1))
+    assert tuple(grad_a.out().shape) == (M, K)
+    # W is passed as W.t(), so its gradient is W-shaped: grad.t() @ x, [N, M] x [M, K].
+    assert (tuple(grad_b.a.shape), grad_b.a.stride()) == ((N, M), (1, N))
+    assert (tuple(grad_b.b.shape), grad_b.b.stride()) == ((M, K), (K, 1))
+    assert tuple(grad_b.out().shape) == (N, K)
+    assert grad_a.out_dtype == grad_b.out_dtype == DTYPE
+
+
+def test_backward_specs_of_row_major_operands_and_recomputing_activations():
+    M, N, K = 8, 24, 16
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu", "nn", bias=True, activation="silu")
+    recompute, grad_a, grad_b = compile_ahead.backward_specs(spec)
+    assert recompute.out_dtype == torch.float32 and recompute.bias is spec.bias
+    assert recompute.activation == "none"
+    assert (tuple(grad_a.b.shape), grad_a.b.stride()) == ((N, K), (1, N))  # b.t()
+    assert (tuple(grad_b.a.shape), grad_b.a.stride()) == ((K, M), (1, K))  # a.t()
+    assert [s.a.shape[0] for s in compile_ahead.backward_specs(spec, True, False)] == [M, M]
+    assert compile_ahead.backward_specs(spec, False, False) == []
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
+def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
+    """Forward and backward of one product: the variants planned ahead are exactly the ones
+    the calls launch (kernel, meta-parameters and every specialised argument)."""
+    M, N, K = 40, 48, 96
+    a = _operand(M, K, layout[0] == "t")
+    b = _operand(K, N, layout[1] == "t")
+    launched = _record_launches(monkeypatch)
+    forced = PLANS[plan]
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu", layout)
+    with tuning.force_plan(forced) if forced else _nothing():
+        expected = _keys(warming.all_specs([spec]))
+        tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE))
+    assert set(launched) == expected
+    kernels = {key[0] for key in expected}
+    assert (launcher.splitk_reduce_kernel in kernels) == (forced is not None)
+    if plan == "portable-tail-split3":  # whole tiles unsplit, the partial wave split
+        assert {dict(key[3])["SPLIT"] for key in expected if key[0] is launcher.mm_kernel} == {
+            False, True}
+
+
+def test_variants_with_bias_and_a_recomputed_activation(monkeypatch):
+    M, N, K = 24, 40, 32
+    a, b = _operand(M, K, False), _operand(K, N, True)
+    bias = torch.randn(N, dtype=DTYPE, requires_grad=True)
+    launched = _record_launches(monkeypatch)
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu", "nt", bias=True, activation="gelu")
+    tg.mm(a, b, bias, activation="gelu").backward(torch.randn(M, N, dtype=DTYPE))
+    assert set(launched) == _keys(warming.all_specs([spec]))
+
+
+def _nothing():  # type: ignore[no-untyped-def]
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# --- the compile pool -----------------------------------------------------------------------------
+
+def test_a_variant_compiles_once_and_a_call_waits_for_it():
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def compile_slowly(name: str) -> None:
+        calls.append(name)
+        started.set()
+        assert release.wait(10)
+
+    pool = compile_pool.CompilePool(compile_slowly, workers=2)
+    first = pool.submit("k", "k")
+    assert pool.submit("k", "k") is first and pool.busy
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    begin = time.perf_counter()
+    waited = pool.wait("k")
+    assert first.done() and release.is_set()
+    assert waited >= 0.15 and time.perf_counter() - begin >= 0.15
+    assert calls == ["k"]
+    assert pool.wait("k") == 0.0  # built: no wait
+    for _ in range(500):  # the done callback runs just after the result is set
+        if not pool.busy:
+            break
+        time.sleep(0.01)
+    assert not pool.busy  # launches no longer look here
+    pool.reset()
+
+
+def test_a_call_never_waits_for_other_variants():
+    """One worker busy with another variant: the call takes its own queued variant back
+    (to compile it itself) instead of waiting behind the other."""
+    release = threading.Event()
+    calls = []
+
+    def compile_fn(name: str) -> None:
+        calls.append(name)
+        if name == "other":
+            assert release.wait(10)
+
+    pool = compile_pool.CompilePool(compile_fn, workers=1)
+    pool.submit("other", "other")
+    queued = pool.submit("mine", "mine")
+    begin = time.perf_counter()
+    assert pool.wait("mine") == 0.0 and time.perf_counter() - begin < 0.1
+    assert queued.cancelled() and pool.future("mine") is None
+    release.set()
+    pool.drain(10)
+    assert calls == ["other"]
+    pool.reset()
+
+
+def test_a_failed_compilation_is_left_to_the_call():
+    def failing(name: str) -> None:
+        raise RuntimeError("no registers left")
+
+    pool = compile_pool.CompilePool(failing, workers=1)
+    future = pool.submit("k", "k")
+    pool.drain(10)
+    assert isinstance(future.exception(), RuntimeError)
+    assert pool.wait("k") == 0.0  # the launch then compiles, and raises, itself
+    pool.reset()
+
+
+def test_a_long_wait_is_reported_once(monkeypatch, caplog):
+    monkeypatch.setattr(compile_pool, "NOTICE_S", 0.05)
+    pool = compile_pool.CompilePool(lambda name: time.sleep(0.3), workers=2)
+    with caplog.at_level(logging.INFO, logger="torch_triton_gemm"):
+        pool.submit("a", "a")
+        pool.submit("b", "b")
+        time.sleep(0.05)  # both running
+        assert pool.wait("a", "kernel A") > 0.05
+        assert pool.wait("b", "kernel B") >= 0.0
+        pool.notice(5.0, "kernel C")
+    records = [r for r in caplog.records if r.name == "torch_triton_gemm"]
+    assert len(records) == 1
+    assert "kernel A" in records[0].getMessage() and "warmup" in records[0].getMessage()
+    pool.reset()
+
+
+def test_variant_keys_follow_triton_specialisation():
+    key = compile_pool.variant_key
+    aligned = OperandSpec((4, 4), (4, 1), DTYPE, torch.device("cpu"))
+    unaligned = OperandSpec((4, 4), (4, 1), DTYPE, torch.device("cpu"), aligned=False)
+    assert key("k", (aligned, 32), {"A": 1}, 0) == key("k", (aligned, 64), {"A": 1}, 0)
+    assert key("k", (aligned, 32), {}, 0) != key("k", (aligned, 33), {}, 0)
+    assert key("k", (aligned, 1), {}, 0) != key("k", (aligned, 17), {}, 0)
+    assert key("k", (aligned,), {}, 0) != key("k", (unaligned,), {}, 0)
+    assert key("k", (aligned,), {}, 0) != key("k", (aligned,), {}, 1)
+    assert key("k", (True,), {}, 0) != key("k", (1,), {}, 0)
+    real = torch.empty(4, 4, dtype=DTYPE)
+    assert key("k", (real, None, "gelu"), {}, 0) == key("k", (aligned, None, "gelu"), {}, 0)
+
+
+# --- the hooks of tgemm::mm's first calls ---------------------------------------------------------
+
+def _fake_background(monkeypatch: pytest.MonkeyPatch, pool: compile_pool.CompilePool,
+                     delay: float = 0.0) -> tuple[list[tuple], list[tuple]]:
+    """Background compilation on for CPU calls, compiling with a fake; the keys submitted and
+    the keys compiled (a launch takes back a variant still queued: it may not be compiled)."""
+    submitted: list[tuple] = []
+    compiled: list[tuple] = []
+
+    def fake_compile(kernel, grid, args, meta, device):  # type: ignore[no-untyped-def]
+        time.sleep(delay)
+        compiled.append(compile_pool.variant_key(kernel, args, meta, device))
+
+    real_submit = pool.submit
+
+    def recording_submit(key, *job):  # type: ignore[no-untyped-def]
+        submitted.append(key)
+        return real_submit(key, *job)
+
+    monkeypatch.setattr(compile_ahead, "background_enabled", lambda device: True)
+    monkeypatch.setattr(pool, "_compile", fake_compile)
+    monkeypatch.setattr(pool, "submit", recording_submit)
+    monkeypatch.setattr(pool, "_workers", 4)
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    return submitted, compiled
+
+
+def test_a_first_call_submits_its_kernels_and_its_backward(monkeypatch, fresh_pool):
+    M, N, K = 24, 40, 32
+    submitted, _ = _fake_background(monkeypatch, fresh_pool)
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    forward, everything = _keys([spec]), _keys(warming.all_specs([spec]))
+    a, b = _operand(M, K, False), _operand(K, N, True)
+    out = tg.mm(a, b)
+    # Its own kernels before it launched them, its backward's when autograd recorded it.
+    assert set(submitted[:len(forward)]) == forward and set(submitted) == everything
+    launched = _record_launches(monkeypatch)
+    out.backward(torch.randn(M, N, dtype=DTYPE))
+    assert set(launched) <= everything
+    assert set(submitted) == everything  # the backward's first calls submitted nothing new
+
+
+def test_a_launch_waits_for_its_variant_compiling_in_the_pool(monkeypatch, fresh_pool):
+    M, N, K = 24, 48, 32
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    (variant,) = compile_ahead.variants(spec)
+    started, release = threading.Event(), threading.Event()
+    compiled = []
+
+    def blocking_compile(*job):  # type: ignore[no-untyped-def]
+        started.set()
+        assert release.wait(10)
+        compiled.append(job)
+
+    monkeypatch.setattr(fresh_pool, "_compile", blocking_compile)
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    compile_ahead.submit([variant])
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    begin = time.perf_counter()
+    with torch.no_grad():
+        tg.mm(_operand(M, K, False), _operand(K, N, True))
+    assert time.perf_counter() - begin >= 0.25 and len(compiled) == 1
+
+
+def test_a_call_nothing_records_submits_no_backward(monkeypatch, fresh_pool):
+    M, N, K = 24, 56, 32
+    submitted, _ = _fake_background(monkeypatch, fresh_pool)
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    a, b = _operand(M, K, False), _operand(K, N, True)
+    with torch.no_grad():
+        tg.mm(a, b)
+    assert set(submitted) == _keys([spec])
+    # A later recorded call of another product does not take the stale one's backward.
+    x, w = _operand(8, 16, False), _operand(16, 8, False)
+    tg.mm(x, w)
+    other = compile_ahead.linear_spec(8, 8, 16, DTYPE, "cpu", "nn")
+    assert set(submitted) == _keys([spec]) | _keys(warming.all_specs([other]))
+
+
+def test_background_compilation_switch(monkeypatch):
+    monkeypatch.setattr(compile_ahead._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: False)
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", raising=False)
+    assert compile_ahead.background_enabled(cuda)
+    assert not compile_ahead.background_enabled(torch.device("cpu"))
+    monkeypatch.setenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "0")
+    assert not compile_ahead.background_enabled(cuda)
+    monkeypatch.setenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1")
+    assert compile_ahead.background_enabled(cuda)
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)  # tuning plans by timing
+    assert not compile_ahead.background_enabled(cuda)
+
+
+def test_background_compilation_is_off_under_the_interpreter():
+    assert not compile_ahead.background_enabled(torch.device("cpu"))
+    assert not compile_ahead.background_enabled(torch.device("cuda"))
+
+
+# --- torch_triton_gemm.warmup -------------------------------------------------------------------
+
+def test_warmup_plans_shapes_without_compiling_on_cpu():
+    result = tg.warmup([(64, 48, 32), {"M": 16, "N": 8, "K": 32, "layout": "nn", "bias": True,
+                                       "dtype": "fp16"}],
+                       dtype=DTYPE, device="cpu", progress=False)
+    assert result.products == 6 and result.variants >= 1
+    assert result.compiled == 0 and result.failures == ()
+    assert not compile_pool.POOL.busy
+    forward_only = tg.warmup([(64, 48, 32)], dtype=DTYPE, device="cpu", backward=False,
+                             progress=False)
+    assert forward_only.products == 1
+
+
+def test_warmup_of_a_model(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 16, bias=False)).to(DTYPE)
+    by_tokens = warming.model_specs(model, tokens=64)
+    assert [(tuple(s.a.shape), tuple(s.b.shape), s.bias is not None) for s in by_tokens] == [
+        ((64, 32), (32, 48), True), ((64, 48), (48, 16), False)]
+    recorded = warming.model_specs(model, example_input=torch.randn(4, 16, 32, dtype=DTYPE))
+    assert [warming._spec_key(s) for s in recorded] == [warming._spec_key(s) for s in by_tokens]
+    assert len(warming.model_specs(model, tokens=[8, 64])) == 4
+    result = tg.warmup(model, tokens=64, progress=False)
+    assert result.products == 2 + 4
+    with pytest.raises(ValueError, match="tokens="):
+        tg.warmup(model)
+
+
+def test_warmup_compiles_every_variant_in_parallel(monkeypatch, fresh_pool, capsys):
+    """With a device to compile for (faked), warmup submits each variant once, waits for all,
+    shows progress, and a second warmup finds them built."""
+    _, compiled = _fake_background(monkeypatch, fresh_pool, delay=0.1)
+    monkeypatch.setattr(compile_ahead, "_device_index", lambda device: 0)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the stderr line
+    shapes = [(40, 48, 96), (40, 96, 48)]
+    with tuning.force_plan(PLANS["portable-tail-split3"]):
+        result = tg.warmup(shapes, dtype=DTYPE, device="cpu")
+        again = tg.warmup(shapes, dtype=DTYPE, device="cpu", progress=False)
+    assert result.products == 6 and result.compiled == result.variants == len(compiled)
+    assert len(set(compiled)) == len(compiled)
+    # 4 workers: much less than one compilation after the other.
+    assert result.seconds < 0.1 * len(compiled)
+    assert f"compiled {len(compiled)}/{len(compiled)} kernels" in capsys.readouterr().err
+    assert again.compiled == 0 and len(compiled) == result.variants
+
+
+def test_warmup_reports_failed_compilations(monkeypatch, fresh_pool, caplog):
+    monkeypatch.setattr(compile_ahead, "_device_index", lambda device: 0)
+
+    def failing(kernel, grid, args, meta, device):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(fresh_pool, "_compile", failing)
+    with caplog.at_level(logging.WARNING, logger="torch_triton_gemm"):
+        result = tg.warmup([(16, 16, 16)], dtype=DTYPE, device="cpu", backward=False,
+                           progress=False)
+    assert result.compiled == 0 and len(result.failures) == result.variants >= 1
+    assert "out of shared memory" in result.failures[0]
+    assert any("failed to compile" in r.getMessage() for r in caplog.records)
+
+
+def test_warmup_rejects_unknown_arguments():
+    with pytest.raises(ValueError, match="layout"):
+        tg.warmup([(8, 8, 8)], device="cpu", layout="nx", progress=False)
+    with pytest.raises(ValueError, match="dtype"):
+        tg.warmup([(8, 8, 8)], device="cpu", dtype="fp64", progress=False)
+    with pytest.raises(ValueError, match="shape keys"):
+        tg.warmup([{"M": 8, "N": 8, "K": 8, "tokens": 3}], device="cpu", progress=False)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def test_cli_help():
+    proc = subprocess.run([sys.executable, "-m", "torch_triton_gemm.warmup", "--help"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr
+    assert "--shapes" in proc.stdout and "--no-backward" in proc.stdout
+    assert "RuntimeWarning" not in proc.stderr
+
+
+def test_cli_run_on_cpu(capsys):
+    assert warming.main(["--shapes", "64x48x32,16x8x32", "--dtype", "fp16", "--device", "cpu",
+                         "--layout", "nn", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "6 products" in out and "on cpu" in out and "planned only" in out
+    with pytest.raises(SystemExit):
+        warming.main(["--shapes", "64x48", "--device", "cpu"])
+    assert warming.parse_shapes("1x2x3, 4X5X6") == [(1, 2, 3), (4, 5, 6)]
+
+
+@pytest.mark.parametrize("how", ["tokens", "example_input"])
+def test_warmup_covers_a_training_step_under_the_override(monkeypatch, how):
+    """The benchmark's Llama-style model, one training step under ``override()``: every kernel
+    variant it launches is one that ``warmup`` plans for the model."""
+    from torch_triton_gemm.bench.model import TinyLlama, train_step
+
+    batch, seq = 2, 8
+    model = TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=48, max_seq=seq)
+    tokens = torch.randint(64, (batch, seq + 1))
+    if how == "tokens":
+        specs = warming.model_specs(model, tokens=batch * seq)
+    else:
+        specs = warming.model_specs(model, example_input=tokens[:, :-1])
+    planned = _keys(warming.all_specs(specs))
+    launched = _record_launches(monkeypatch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.override() as ov:
+        train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+    assert ov.counts["mm"] == 8 and len(launched) >= 3 * 8  # 8 linears, forward and backward
+    assert set(launched) <= planned
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+def _triton_cache_entries() -> dict[str, set]:
+    """The variants in Triton's in-memory caches of the GEMM kernels, on the current GPU."""
+    device = torch.cuda.current_device()
+    entries = {}
+    for kernel in (launcher.mm_kernel, launcher.mm_tma_kernel, launcher.splitk_reduce_kernel):
+        caches = kernel.device_caches.get(device)
+        entries[kernel.__name__] = set(caches[0]) if caches else set()
+    return entries
+
+
+@pytest.mark.gpu
+def test_after_warmup_a_training_step_compiles_nothing():
+    """The variants warmup compiles on the pool (stand-ins for the tensors, Triton's warmup)
+    are the ones a training step under the override launches: the step finds them all in
+    Triton's cache."""
+    from torch_triton_gemm.bench.model import TinyLlama, train_step
+
+    batch, seq = 2, 96  # M = 192: not a multiple of 16 in every product's sizes
+    model = TinyLlama(vocab=1000, hidden=192, heads=3, layers=1, intermediate=520,
+                      max_seq=seq).to(device="cuda", dtype=torch.bfloat16)
+    result = tg.warmup(model, tokens=batch * seq, progress=False)
+    assert result.failures == () and result.variants > 0
+    before = _triton_cache_entries()
+    tokens = torch.randint(1000, (batch, seq + 1), device="cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with tg.override():
+        train_step(model, optimizer, tokens[:, :-1], tokens[:, 1:])
+    torch.cuda.synchronize()
+    after = _triton_cache_entries()
+    assert {name: after[name] - before[name] for name in after} == {
+        name: set() for name in after}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_background_compilation_gives_correct_results(monkeypatch, fresh_pool, transposed):
+    """First calls with background compilation on: forward and gradients match float64, and
+    every variant the pool compiled built."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1")
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    M, N, K = 333, 272, 1000 + 8 * int(transposed)  # fresh signatures
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = (w.t() if transposed else w.t().contiguous()).detach().requires_grad_()
+    out = tg.mm(x, b)
+    assert fresh_pool.busy or fresh_pool._futures  # the backward's variants were submitted
+    grad = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    out.backward(grad)
+    x64, b64 = x.detach().double(), b.detach().double()
+    reference = (x64 @ b64, grad.double() @ b64.t(), x64.t() @ grad.double())
+    for got, want in zip((out, x.grad, b.grad), reference):
+        assert (got.double() - want).norm() <= 2e-2 * want.norm()
+    fresh_pool.drain(60)
+    assert all(f.exception() is None for f in fresh_pool._futures.values())
