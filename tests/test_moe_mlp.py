@@ -320,8 +320,11 @@ def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp
     assert torch.equal(loss, eager_loss)
     for g, e in zip(grads, torch.autograd.grad(eager_loss, leaves)):
         assert torch.equal(g, e)
-    backward_ops = {str(n.target) for n in _KEPT[-1].graph.nodes if n.op == "call_function"}
-    assert {"tgemm.moe_routed_mm.default", "tgemm.grouped_mm.default"} <= backward_ops
+    backward_ops = [str(n.target) for n in _KEPT[-1].graph.nodes if n.op == "call_function"]
+    if device == "cpu":
+        assert {"tgemm.moe_routed_mm.default", "tgemm.grouped_mm.default"} <= set(backward_ops)
+    else:  # compiled Triton: the ops trace into their kernels' launches
+        assert _KEPT[-1].code.count("triton_kernel_wrapper_functional(") >= 3, backward_ops
 
 
 def test_traces_on_cuda_fake_tensors():
