@@ -874,3 +874,135 @@ def test_dynamic_shapes_do_not_recompile():
 def test_native_fp4_query_matches_the_gpu():
     major = torch.cuda.get_device_capability()[0]
     assert tgemm_device.supports_native_fp4(torch.device("cuda")) == (major == 10)
+
+
+# --- Hopper's warp-specialized precise fp8 kernel -------------------------------------------------
+
+def test_fp8_precise_plans():
+    """Which products the precise kernel takes (enough 128x128 tiles for the SMs), how many
+    consumer warpgroups, and stages that fit the shared memory with every output dtype."""
+    assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
+    assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
+    small = tuning.fp8_precise_plan(1024, 2304, 132, 2)
+    large = tuning.fp8_precise_plan(8192, 8192, 132, 2)
+    assert small.kernel == large.kernel == tuning.FP8_PRECISE_KERNEL
+    assert (small.tile.block_m, small.tile.num_stages) == (128, 4)
+    assert (large.tile.block_m, large.tile.num_stages) == (192, 3)
+    for out_size in (2, 4):
+        for m in (1024, 8192):
+            tile = tuning.fp8_precise_plan(m, 8192, 132, out_size).tile
+            consumers = tile.block_m // 64
+            shared = (tile.num_stages * (tile.block_m + tile.block_n) * 128
+                      + consumers * 64 * tile.block_n * out_size)
+            assert shared <= 227 * 1024 and tile.num_stages >= 2
+
+
+_PRECISE_COMPILE_SCRIPT = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel as kernel
+
+for consumers, stages, regs, out in ((2, 4, 232, "*bf16"), (3, 3, 160, "*fp32")):
+    constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
+                     STAGES=stages, CONSUMER_REGS=regs, ws_ptr=None, locks_ptr=None)
+    signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
+                 "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+    for name in kernel.arg_names:
+        signature.setdefault(name, "constexpr" if name in constants else "i32")
+    index = kernel.arg_names.index
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(index(k),): v for k, v in constants.items()},
+                            attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4)).asm["ptx"]
+    waits = re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)
+    print(consumers, len(re.findall(r"wgmma.mma_async.sync.aligned.m64n128k32", ptx)),
+          sorted(set(waits)), len(waits), "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx)
+"""
+
+
+def test_fp8_precise_kernel_compiles_for_hopper():
+    """Without a GPU, Triton compiles the Gluon kernel for sm_90: per consumer warpgroup one
+    K step of four m64n128k32 wgmmas and one full wait (the promotion), warp specialization
+    (register reallocation between the partitions) and TMA copies."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    assert wgmma_fp8.AVAILABLE  # the Triton these tests run on has Gluon
+    out = _run_without_interpreter(_PRECISE_COMPILE_SCRIPT).split("\n")
+    assert out[:2] == ["2 8 ['0'] 2 True True", "3 12 ['0'] 3 True True"], out
+
+
+def _on_hopper_with_gluon() -> bool:
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    return wgmma_fp8.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528),
+                                   (1024, 2304, 16384)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_precise_kernel_within_torchs_error(recipe, shape):
+    """On an H100 the planner gives these precise products the warp-specialized kernel; every
+    output element is written (NaN-poisoned output), and its error against float64 stays
+    within 1.25x that of torch._scaled_mm's precise mode on the same operands (fp32 out: the
+    accumulation's error; bf16 out with a bias), odd M, N and K included."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    m, n, k = shape
+    a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda", E4M3, E4M3)
+    if recipe == "tensorwise":
+        sa, sb = sa.reshape(()), sb.reshape(())
+    for out_dtype, bias in ((torch.float32, None),
+                            (torch.bfloat16, torch.randn(n, device="cuda",
+                                                         dtype=torch.bfloat16))):
+        out_dtype, checked = _check_inputs(a, b, sa, sb, bias, out_dtype)
+        out = _poisoned((m, n), out_dtype, "cuda")
+        plan = plan_mm(a, b, bias, out, "none", False, _gemm_scales(checked, sa, sb, False))
+        assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+        launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
+        ref = reference(a, b, sa, sb, recipe, recipe, bias)
+        theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+        assert rel_error(out, ref) <= 1.25 * rel_error(theirs, ref) + 1e-7, out_dtype
+        assert rel_error(tg.scaled_mm(a, b, sa, sb, bias, out_dtype), ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
+    """A product the precise kernel takes in eager calls, under torch.compile (fullgraph;
+    traced launches keep the Triton kernels, which Inductor can parse) and replayed in a CUDA
+    graph with new operands, against float64."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    m, n, k = 1024, 2304, 512
+    a, b, sa, sb = quantized_pair(m, n, k, "rowwise", "rowwise", "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    _, checked = _check_inputs(a, b, sa, sb, bias, None)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    scales = _gemm_scales(checked, sa, sb, False)
+    assert plan_mm(a, b, bias, out, "none", False, scales).kernel == tuning.FP8_PRECISE_KERNEL
+    assert plan_mm(a, b, bias, out, "none", True, scales).kernel != tuning.FP8_PRECISE_KERNEL
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t) * 2, fullgraph=True)
+    ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
+    assert rel_error(compiled(a, b, sa, sb, bias), 2 * ref) <= TOLERANCE
+    tg.scaled_mm(a, b, sa, sb, bias)  # compiled and memoised outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = tg.scaled_mm(a, b, sa, sb, bias)
+    a2, _, sa2, _ = quantized_pair(m, n, k, "rowwise", "rowwise", "cuda")
+    _refill(a, a2)
+    _refill(sa, sa2)
+    graph.replay()
+    ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
+    assert rel_error(static_out, ref) <= TOLERANCE

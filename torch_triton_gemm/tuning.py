@@ -39,7 +39,7 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class MMPlan:
-    kernel: str  # "tma" or "portable"
+    kernel: str  # "tma", "portable" or "wgmma_fp8" (see fp8_precise_plan)
     tile: TileConfig
     split_k: int = 1
     warp_specialize: bool = False
@@ -208,6 +208,37 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
         if fill > best_fill:
             best, best_fill = split, fill
     return best
+
+
+# The warp-specialized precise fp8 kernel (kernels/wgmma_fp8.py): 64 output rows per consumer
+# warpgroup, 128 columns, 128-deep K steps; shared memory of the H100 (227 KB a block).
+FP8_PRECISE_KERNEL = "wgmma_fp8"
+_FP8_PRECISE_SHARED = 227 * 1024
+
+
+def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | None:
+    """The plan of Hopper's warp-specialized kernel for an fp8 product with precise
+    accumulation (tensorwise or rowwise scales), or None where it does not apply: fewer 128x128
+    output tiles than SMs (small M or N: split-K plans of the TMA kernel fill the GPU better).
+
+    Three consumer warpgroups (192-row tiles, 3 stages) for M >= 4096, else two (128 rows, 4
+    stages): on an H100, 192 rows ran 2-6% faster at M = 8192, 128 rows 1-5% faster at
+    M = 2048-4096 (exp data in docs/h100-results.md, "fp8 with precise accumulation")."""
+    if -(-m // 128) * -(-n // 128) < num_sms:
+        return None
+    consumers = 3 if m >= 4096 else 2
+    stages = 3 if consumers == 3 else 4
+    block_n, block_k = 128, 128
+
+    def shared(stages: int) -> int:
+        return (stages * (consumers * 64 + block_n) * block_k
+                + consumers * 64 * block_n * out_size)
+
+    while stages > 2 and shared(stages) > _FP8_PRECISE_SHARED:
+        stages -= 1
+    # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.
+    return MMPlan(FP8_PRECISE_KERNEL, TileConfig(64 * consumers, block_n, block_k // 2, 8, 4,
+                                                 stages))
 
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,

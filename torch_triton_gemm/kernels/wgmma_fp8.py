@@ -1,0 +1,220 @@
+"""Hopper's fp8 GEMM with precise accumulation: tensorwise and rowwise scaled_mm with
+``use_fast_accum=False``, written in Gluon (Triton's lower-level dialect) for sm_90.
+
+Hopper's fp8 tensor cores keep fewer bits than fp32 in their accumulator, so a precise fp8 GEMM
+adds each K step's product into an fp32 accumulator in registers: every step's wgmma writes a
+fresh partial sum, the warpgroup waits for it and adds it. That wait idles the tensor cores
+unless another warpgroup has work in flight, which a Triton kernel cannot arrange (its
+warpgroups run in lock step, and Triton's own promotion, ``max_num_imprecise_acc``, waits the
+same way: 0.80-0.87x cuBLAS on an H100). Here the work is warp-specialized, as DeepGEMM does:
+
+- one loader warp streams A and B tiles through TMA into ``STAGES`` shared-memory slots, each
+  slot guarded by a "ready" barrier (bytes arrived) and an "empty" one (every consumer done);
+- CONSUMERS warpgroups (2 or 3) each own 64 rows of a [64 * CONSUMERS, BLOCK_N] output tile
+  and share its B tile: per K step one wgmma into a fresh partial, a wait, the slot released,
+  the partial added into fp32. While one warpgroup adds, the others' wgmmas run;
+- the epilogue scales by scale_a (per row, stride 0 for one scale) and scale_b (per column),
+  adds bias, casts and stores by TMA, per consumer.
+
+Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 deep (the promotion
+interval of cuBLAS's precise mode: the same error against float64). Requirements, checked by
+the planner: A and B K-contiguous (b as ``W.t()``, torch._scaled_mm's layout), 16-byte aligned
+pitches and pointers, a row-major output; TMA zero-fills the M, N and K edges.
+
+Gluon exists in Triton 3.5 and later; ``AVAILABLE`` says whether this Triton has it.
+"""
+
+try:  # Gluon and its Hopper ops: Triton 3.5+
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # Triton renamed the TMA copies after 3.6.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - older Triton
+    AVAILABLE = False
+
+ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma rows
+BLOCK_K = 128  # fp8 elements per K step (one promotion)
+
+if AVAILABLE:
+    _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
+    _BLOCK_K = gl.constexpr(BLOCK_K)
+
+    @gluon.jit
+    def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      GROUP_M: gl.constexpr):
+        """(row, column) of the tile-th output tile in L2-grouped order: GROUP_M tile rows
+        sweep the columns together, so a B tile is read from L2 by each of them."""
+        grid_m = gl.cdiv(M, BLOCK_M)
+        grid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * grid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % size_m
+        pid_n = (tile % width) // size_m
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _program_tiles(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """This persistent program's first tile, the tile stride and its tile count."""
+        start = gl.program_id(0)
+        programs = gl.num_programs(0)
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        return start, programs, gl.cdiv(tiles - start, programs)
+
+    @gluon.jit
+    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                        CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: every K step of every tile of this program, in order, into the
+        next slot once its consumers have released it."""
+        BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        start, programs, my_tiles = _program_tiles(M, N, BLOCK_M, BLOCK_N)
+        k_steps = gl.cdiv(K, _BLOCK_K)
+        step = 0
+        for t in range(my_tiles):
+            off_m, off_n = _tile_offsets(start + t * programs, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes
+                                + b_desc.block_type.nbytes)
+                for c in gl.static_range(CONSUMERS):
+                    _tma_load(a_desc, [off_m + c * _ROWS, k * _BLOCK_K], bar,
+                              a_bufs.index(slot * CONSUMERS + c))
+                _tma_load(b_desc, [off_n, k * _BLOCK_K], bar, b_bufs.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, sa_ptr,
+                            sb_ptr, M, N, K, stride_bias, stride_sam, stride_sbn,
+                            CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+                            GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every tile of this
+        program, each K step's wgmma promoted into fp32, then the epilogue."""
+        BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        vector_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        start, programs, my_tiles = _program_tiles(M, N, BLOCK_M, BLOCK_N)
+        k_steps = gl.cdiv(K, _BLOCK_K)
+        zero = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        c_smem = c_bufs.index(CONSUMER)
+        step = 0
+        for t in range(my_tiles):
+            off_m, off_n = _tile_offsets(start + t * programs, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m += CONSUMER * _ROWS
+            # The epilogue's scales and bias, loaded now so that their latency hides under the
+            # K loop, and held one element a thread until then (no registers to spare).
+            rows = off_m + gl.arange(0, _ROWS, layout=vector_layout)
+            cols = off_n + gl.arange(0, BLOCK_N, layout=vector_layout)
+            scale_a = gl.load(sa_ptr + rows * stride_sam, mask=rows < M, other=0.0)
+            scale_b = gl.load(sb_ptr + cols * stride_sbn, mask=cols < N, other=0.0)
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+            for _ in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
+                                     b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                part = warpgroup_mma_wait(0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                acc = acc + part  # the promotion: one fp32 add per K step
+                step += 1
+            scale_a = gl.convert_layout(scale_a, row_layout)
+            scale_b = gl.convert_layout(scale_b, col_layout)
+            acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+            if HAS_BIAS:
+                bias = gl.convert_layout(bias.to(gl.float32), col_layout)
+                acc = acc + gl.expand_dims(bias, 0)
+            tma.store_wait(0)  # this consumer's previous tile has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
+
+    # The leading tensors match the other GEMM kernels' (workspace and locks unused), so the
+    # launcher runs it like them. Nothing is specialised on sizes or pitches.
+    @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
+    def fp8_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
+                           M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
+                           stride_sbn, HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr,
+                           BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """C = (A * scale_a) @ (B * scale_b) + bias for K-contiguous fp8 A [M, K] and B [K, N]
+        (described as B's transpose [N, K]), fp32 promotion every K step; see the module
+        docstring. Launch with num_warps=4 and one program per SM."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_ROWS, _BLOCK_K], a_ptr.dtype.element_ty)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_N, _BLOCK_K], b_ptr.dtype.element_ty)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_ROWS, BLOCK_N], c_ptr.dtype.element_ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                            block_shape=[_ROWS, _BLOCK_K],
+                                            layout=a_layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                            block_shape=[BLOCK_N, _BLOCK_K], layout=b_layout)
+        c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                            block_shape=[_ROWS, BLOCK_N],
+                                            layout=c_layout)
+        a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty,
+                                           [STAGES * CONSUMERS, _ROWS, _BLOCK_K],
+                                           a_layout)
+        b_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty, [STAGES, BLOCK_N, _BLOCK_K],
+                                           b_layout)
+        c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty,
+                                           [CONSUMERS, _ROWS, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+            mbarrier.arrive(empty.index(i), count=CONSUMERS)  # every slot starts free
+        # Partitions are listed statically: the default one (this kernel's 4 warps) is the
+        # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
+                                       sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
+                                       stride_sbn, 0, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
+                                       STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
+                                       sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
+                                       stride_sbn, 1, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
+                                       STAGES)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                                   CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
+                                       sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
+                                       stride_sbn, 0, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
+                                       STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
+                                       sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
+                                       stride_sbn, 1, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
+                                       STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
+                                       sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
+                                       stride_sbn, 2, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
+                                       STAGES)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                                   CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
