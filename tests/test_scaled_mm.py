@@ -883,11 +883,13 @@ def test_fp8_precise_plans():
     consumer warpgroups, and stages that fit the shared memory with every output dtype."""
     assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
     assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
-    small = tuning.fp8_precise_plan(1024, 2304, 132, 2)
-    large = tuning.fp8_precise_plan(8192, 8192, 132, 2)
-    assert small.kernel == large.kernel == tuning.FP8_PRECISE_KERNEL
+    small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
+    large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
+    fp32_out = tuning.fp8_precise_plan(8192, 8192, 132, 4)
+    assert small.kernel == large.kernel == fp32_out.kernel == tuning.FP8_PRECISE_KERNEL
     assert (small.tile.block_m, small.tile.num_stages) == (128, 4)
-    assert (large.tile.block_m, large.tile.num_stages) == (192, 3)
+    assert (large.tile.block_m, large.tile.num_stages) == (192, 4)
+    assert (fp32_out.tile.block_m, fp32_out.tile.num_stages) == (192, 3)
     for out_size in (2, 4):
         for m in (1024, 8192):
             tile = tuning.fp8_precise_plan(m, 8192, 132, out_size).tile
@@ -905,7 +907,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel as kernel
 
 for consumers, stages, regs, out in ((2, 4, 232, "*bf16"), (3, 3, 160, "*fp32")):
-    constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
+    constants = dict(HAS_BIAS=True, BLOCKWISE=consumers == 3, A_ROWS=1,
+                     CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
                      STAGES=stages, CONSUMER_REGS=regs, ws_ptr=None, locks_ptr=None)
     signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
                  "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
@@ -1006,3 +1009,33 @@ def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
     graph.replay()
     ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
     assert rel_error(static_out, ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"),
+                                     ("blockwise_128x128", "blockwise_128x128")], ids=str)
+@pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_precise_kernel_blockwise(recipes, shape):
+    """Blockwise products with 128x128 blocks for b on the precise kernel (scales applied at
+    each K step's promotion, a partial last K block included): every output written, with fp32
+    out within 1e-3 of the float64 reference (fp32 promotion every 128 of K; the fp8 budget is
+    1e-2), and as close to the Triton kernels' result."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    (ra, rb), (m, n, k) = recipes, shape
+    a, b, sa, sb = quantized_pair(m, n, k, ra, rb, "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out_dtype, checked = _check_inputs(a, b, sa, sb, bias, torch.float32)
+    out = _poisoned((m, n), out_dtype, "cuda")
+    plan = plan_mm(a, b, bias, out, "none", False, _gemm_scales(checked, sa, sb, False))
+    assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+    launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
+    ref = reference(a, b, sa, sb, ra, rb, bias)
+    assert rel_error(out, ref) <= 1e-3
+    triton_out = _poisoned((m, n), out_dtype, "cuda")
+    launch_scaled_mm(a, b, sa, sb, bias, triton_out, checked, False, traceable=True)
+    assert rel_error(out, triton_out.double()) <= 1e-3

@@ -218,22 +218,23 @@ _FP8_PRECISE_SHARED = 227 * 1024
 
 def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | None:
     """The plan of Hopper's warp-specialized kernel for an fp8 product with precise
-    accumulation (tensorwise or rowwise scales), or None where it does not apply: fewer 128x128
-    output tiles than SMs (small M or N: split-K plans of the TMA kernel fill the GPU better).
+    accumulation (tensorwise, rowwise or blockwise scales), or None where it does not apply:
+    fewer 128x128 output tiles than SMs (small M or N: split-K plans of the TMA kernel fill the
+    GPU better).
 
-    Three consumer warpgroups (192-row tiles, 3 stages) for M >= 4096, else two (128 rows, 4
-    stages): on an H100, 192 rows ran 2-6% faster at M = 8192, 128 rows 1-5% faster at
-    M = 2048-4096 (exp data in docs/h100-results.md, "fp8 with precise accumulation")."""
+    Three consumer warpgroups (192-row tiles) and 4 stages where the shared memory holds them,
+    else 3: on an H100 they ran 2-15% faster than two (128 rows) at M = 2048-8192; two where
+    192-row tiles would pad M by 8% more rows than 128-row ones (M = 1024: 1152 rows)."""
     if -(-m // 128) * -(-n // 128) < num_sms:
         return None
-    consumers = 3 if m >= 4096 else 2
-    stages = 3 if consumers == 3 else 4
+    consumers = 3 if -(-m // 192) * 192 <= 1.08 * (-(-m // 128) * 128) else 2
     block_n, block_k = 128, 128
 
     def shared(stages: int) -> int:
         return (stages * (consumers * 64 + block_n) * block_k
                 + consumers * 64 * block_n * out_size)
 
+    stages = 4
     while stages > 2 and shared(stages) > _FP8_PRECISE_SHARED:
         stages -= 1
     # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.

@@ -1,5 +1,6 @@
 """Hopper's fp8 GEMM with precise accumulation: tensorwise and rowwise scaled_mm with
-``use_fast_accum=False``, written in Gluon (Triton's lower-level dialect) for sm_90.
+``use_fast_accum=False``, and blockwise scaled_mm (DeepSeek-V3's 1x128 / 128x128 scales, which
+apply at each promotion), written in Gluon (Triton's lower-level dialect) for sm_90.
 
 Hopper's fp8 tensor cores keep fewer bits than fp32 in their accumulator, so a precise fp8 GEMM
 adds each K step's product into an fp32 accumulator in registers: every step's wgmma writes a
@@ -14,7 +15,9 @@ same way: 0.80-0.87x cuBLAS on an H100). Here the work is warp-specialized, as D
   and share its B tile: per K step one wgmma into a fresh partial, a wait, the slot released,
   the partial added into fp32. While one warpgroup adds, the others' wgmmas run;
 - the epilogue scales by scale_a (per row, stride 0 for one scale) and scale_b (per column),
-  adds bias, casts and stores by TMA, per consumer.
+  adds bias, casts and stores by TMA, per consumer. Blockwise scales multiply each step's
+  partial sum instead (scale_b one per 128 columns: a tile's 128 columns are one block), loaded
+  a step ahead.
 
 Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 deep (the promotion
 interval of cuBLAS's precise mode: the same error against float64). Requirements, checked by
@@ -97,12 +100,14 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, sa_ptr,
-                            sb_ptr, M, N, K, stride_bias, stride_sam, stride_sbn,
-                            CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                            sb_ptr, M, N, K, stride_bias, stride_sam, stride_sak, stride_sbk,
+                            stride_sbn, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                            BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
                             HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                             GROUP_M: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every tile of this
-        program, each K step's wgmma promoted into fp32, then the epilogue."""
+        program, each K step's wgmma promoted into fp32 (times the step's scales when
+        BLOCKWISE: scale_a per A_ROWS rows, scale_b one per 128 columns), then the epilogue."""
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
@@ -121,24 +126,43 @@ if AVAILABLE:
             # K loop, and held one element a thread until then (no registers to spare).
             rows = off_m + gl.arange(0, _ROWS, layout=vector_layout)
             cols = off_n + gl.arange(0, BLOCK_N, layout=vector_layout)
-            scale_a = gl.load(sa_ptr + rows * stride_sam, mask=rows < M, other=0.0)
-            scale_b = gl.load(sb_ptr + cols * stride_sbn, mask=cols < N, other=0.0)
+            if not BLOCKWISE:
+                scale_a = gl.load(sa_ptr + rows * stride_sam, mask=rows < M, other=0.0)
+                scale_b = gl.load(sb_ptr + cols * stride_sbn, mask=cols < N, other=0.0)
             if HAS_BIAS:
                 bias = gl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            if BLOCKWISE:
+                # A step's scales are loaded one step ahead, while the wgmma before runs.
+                step_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
+                sa_ptrs = sa_ptr + (step_rows // A_ROWS) * stride_sam
+                sb_step = sb_ptr + (off_n // _BLOCK_K) * stride_sbn
+                sa_next = gl.load(sa_ptrs, mask=step_rows < M, other=0.0)
+                sb_next = gl.load(sb_step)
             acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-            for _ in range(k_steps):
+            for k in range(k_steps):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                 part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
                                      b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
                                      is_async=True)
+                if BLOCKWISE:
+                    step_scale = sa_next * sb_next
+                    more = k + 1 < k_steps
+                    sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
+                                      mask=(step_rows < M) & more, other=0.0)
+                    sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
                 part = warpgroup_mma_wait(0, deps=(part,))
                 mbarrier.arrive(empty.index(slot), count=1)
-                acc = acc + part  # the promotion: one fp32 add per K step
+                # The promotion: one fp32 add (and for blockwise, one multiply) per K step.
+                if BLOCKWISE:
+                    acc = acc + part * gl.expand_dims(step_scale, 1)
+                else:
+                    acc = acc + part
                 step += 1
-            scale_a = gl.convert_layout(scale_a, row_layout)
-            scale_b = gl.convert_layout(scale_b, col_layout)
-            acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+            if not BLOCKWISE:
+                scale_a = gl.convert_layout(scale_a, row_layout)
+                scale_b = gl.convert_layout(scale_b, col_layout)
+                acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
             if HAS_BIAS:
                 bias = gl.convert_layout(bias.to(gl.float32), col_layout)
                 acc = acc + gl.expand_dims(bias, 0)
@@ -153,12 +177,16 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
                            M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
-                           stride_sbn, HAS_BIAS: gl.constexpr, CONSUMERS: gl.constexpr,
+                           stride_sak, stride_sbk, stride_sbn, HAS_BIAS: gl.constexpr,
+                           BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
+                           CONSUMERS: gl.constexpr,
                            BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """C = (A * scale_a) @ (B * scale_b) + bias for K-contiguous fp8 A [M, K] and B [K, N]
-        (described as B's transpose [N, K]), fp32 promotion every K step; see the module
-        docstring. Launch with num_warps=4 and one program per SM."""
+        (described as B's transpose [N, K]), fp32 promotion every K step; tensorwise or rowwise
+        scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row block, K
+        block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at each
+        promotion; see the module docstring. Launch with num_warps=4 and one program per SM."""
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_ROWS, _BLOCK_K], a_ptr.dtype.element_ty)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -192,12 +220,12 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
                                        sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
-                                       stride_sbn, 0, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
-                                       STAGES)),
+                                       stride_sak, stride_sbk, stride_sbn, 0, CONSUMERS,
+                                       BLOCKWISE, A_ROWS, HAS_BIAS, BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
                                        sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
-                                       stride_sbn, 1, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
-                                       STAGES)),
+                                       stride_sak, stride_sbk, stride_sbn, 1, CONSUMERS,
+                                       BLOCKWISE, A_ROWS, HAS_BIAS, BLOCK_N, GROUP_M, STAGES)),
                 (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                                    CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -205,16 +233,16 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
                                        sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
-                                       stride_sbn, 0, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
-                                       STAGES)),
+                                       stride_sak, stride_sbk, stride_sbn, 0, CONSUMERS,
+                                       BLOCKWISE, A_ROWS, HAS_BIAS, BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
                                        sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
-                                       stride_sbn, 1, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
-                                       STAGES)),
+                                       stride_sak, stride_sbk, stride_sbn, 1, CONSUMERS,
+                                       BLOCKWISE, A_ROWS, HAS_BIAS, BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr,
                                        sa_ptr, sb_ptr, M, N, K, stride_bias, stride_sam,
-                                       stride_sbn, 2, CONSUMERS, HAS_BIAS, BLOCK_N, GROUP_M,
-                                       STAGES)),
+                                       stride_sak, stride_sbk, stride_sbn, 2, CONSUMERS,
+                                       BLOCKWISE, A_ROWS, HAS_BIAS, BLOCK_N, GROUP_M, STAGES)),
                 (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                                    CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])

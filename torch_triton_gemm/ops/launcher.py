@@ -195,17 +195,18 @@ def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
                          scales: GemmScales | None) -> PreparedLaunch:
     """The launch of Hopper's warp-specialized precise fp8 kernel (a plan of
     ``tuning.fp8_precise_plan``, for operands the planner found it can read): one persistent
-    program per SM, tensorwise or rowwise scales read through their strides."""
-    check(scales is not None and scales.mode == "outer" and wgmma_fp8.AVAILABLE,
-          lambda: f"tgemm: the {plan.kernel} kernel runs tensorwise or rowwise fp8 products")
+    program per SM, the scales read through their strides (tensorwise, rowwise, blockwise)."""
+    check(scales is not None and wgmma_fp8.AVAILABLE and (
+              scales.mode == "outer" or scales.mode == "block" and scales.b_cols == 128),
+          lambda: f"tgemm: the {plan.kernel} kernel runs tensorwise, rowwise and 128x128-block "
+                  f"scaled fp8 products")
     (M, K), N = a.shape, b.shape[1]
     tile = plan.tile
     consumers = tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
     programs = min(num_sms(a.device), tuning.output_tiles(M, N, tile))
-    stride_sam, _, _, stride_sbn = scales.strides
     runtime_args = (M, N, K, a.stride(0), b.stride(1), out.stride(0),
-                    bias.stride(0) if bias is not None else 0, stride_sam, stride_sbn,
-                    bias is not None)
+                    bias.stride(0) if bias is not None else 0, *scales.strides,
+                    bias is not None, scales.mode == "block", scales.a_rows)
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
             "STAGES": tile.num_stages, "CONSUMER_REGS": _FP8_CONSUMER_REGS[consumers],
             "num_warps": 4}

@@ -49,10 +49,12 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
 def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                          scales: GemmScales) -> bool:
     """Whether Hopper's warp-specialized precise fp8 kernel can run this product: tensorwise or
-    rowwise scales without fast accumulation, on an sm_90 GPU, fp8 operands both contiguous
-    along K (b as ``W.t()``), TMA-aligned pitches and pointers, and a row-major output. A forced
-    plan (tests, tuning) wins."""
-    if (scales.mode != "outer" or scales.fast_accum or a.element_size() != 1
+    rowwise scales without fast accumulation, or blockwise ones with 128x128 blocks for b, on an
+    sm_90 GPU, fp8 operands both contiguous along K (b as ``W.t()``), TMA-aligned pitches and
+    pointers, and a row-major output. A forced plan (tests, tuning) wins."""
+    precise = scales.mode == "outer" and not scales.fast_accum
+    blockwise = scales.mode == "block" and scales.b_cols == 128
+    if (not (precise or blockwise) or a.element_size() != 1
             or not wgmma_fp8.AVAILABLE or tuning.forced_plan() is not None
             or a.device.type != "cuda" or _device.interpreter_enabled()
             or _device.capability(a.device) != (9, 0)):
