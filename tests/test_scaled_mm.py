@@ -882,6 +882,7 @@ def test_fp8_precise_plans():
     """Which products the precise kernel takes (enough 128x128 tiles for the SMs), how many
     consumer warpgroups, and stages that fit the shared memory with every output dtype."""
     assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
+    assert tuning.fp8_precise_plan(16, 28672, 132, 2) is None  # decode: 16-row tiles
     assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
