@@ -89,7 +89,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
                      "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
-                     "scaled": 42, "moe": 8, "classes": 21, "sweep": 400}
+                     "scaled": 95, "moe": 8, "classes": 21, "sweep": 400}
 
 
 def test_suite_row_counts_match_the_shape_list():
@@ -277,11 +277,16 @@ def test_skewed_routing_is_zipf_like_with_empty_experts():
 def test_scaled_suite_cases():
     cases = suites.scaled_cases()
     shapes = {(c.m, c.n, c.k) for c in cases}
-    llama = {(m, n, k) for m in (16, 2048, 8192)
+    llama = {(m, n, k) for m in (16, 128, 2048, 8192)
              for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
-    assert shapes == {(4096,) * 3, (8192,) * 3} | llama
-    for recipe in suites.SCALED_RECIPES:
-        assert sum(c.recipe == recipe for c in cases) == len(shapes)
+    assert shapes == {(4096,) * 3, (8192,) * 3, (4096, 18944, 3584)} | llama
+    for recipe in ("tensorwise", "rowwise"):  # both accumulation modes
+        assert {(c.m, c.n, c.k, c.fast) for c in cases if c.recipe == recipe} == {
+            (*shape, fast) for shape in shapes for fast in (False, True)}
+    assert {(c.m, c.n, c.k, c.fast) for c in cases if c.recipe == "blockwise"} == {
+        (*shape, False) for shape in shapes}
+    assert len({c.label() for c in cases}) == len(cases)
+    assert all(not c.fast for c in suites.scaled_cases(quick=True))
     # 128x128 blocks tile every weight; torch._scaled_mm wants sizes divisible by 16.
     assert all(c.n % 128 == 0 and c.k % 128 == 0 and c.m % 16 == 0 for c in cases)
 
@@ -461,7 +466,8 @@ def test_every_section_renders():
     assert _cells(text, "mixtral")[7:14] == [
         *(f"{2 * 8192 * 14336 * 4096 / (ms * 1e-3) / 1e12:.1f}" for ms in (2.0, 2.2, 3.0)),
         "1.10", "1.10", "1.50", "2.00"]
-    assert _cells(text, "4096^3 4096 4096 4096 blockwise")[6:9] == ["n/a", "n/a", "n/a"]
+    blockwise = _cells(text, "4096^3 4096 4096 4096 blockwise")
+    assert blockwise[5] == "precise" and blockwise[7:10] == ["n/a", "n/a", "n/a"]
     assert _cells(text, "override, cold caches")[3:6] == ["30.00", "15.00", "101.0"]
     doc = report.markdown_report(["GPU X | torch Y"], results)
     assert doc.startswith("# torch_triton_gemm benchmark\n\n- GPU X | torch Y\n\n## mm llama")

@@ -198,10 +198,10 @@ def _cases_text(args: argparse.Namespace) -> str:
             ("grouped", "form", "routing", "G", "T", "N", "K", "empty groups"), rows,
             {"grouped", "form", "routing"}))
     if "scaled" in args.suite:
-        rows = [[c.name, str(c.m), str(c.n), str(c.k), c.recipe]
+        rows = [[c.name, str(c.m), str(c.n), str(c.k), c.recipe, c.accumulation]
                 for c in suites.scaled_cases(args.quick)]
-        parts.append(report.format_table(("scaled", "M", "N", "K", "recipe"), rows,
-                                         {"scaled", "recipe"}))
+        parts.append(report.format_table(("scaled", "M", "N", "K", "recipe", "accum"), rows,
+                                         {"scaled", "recipe", "accum"}))
     if "moe" in args.suite:
         rows = [[c.name, c.form, str(c.experts), str(c.top_k), str(c.hidden), str(c.inter),
                  str(c.tokens)] for c in suites.moe_cases(args.quick)]

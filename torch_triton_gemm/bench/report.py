@@ -182,7 +182,7 @@ def grouped_section(results: Sequence[GemmResult]) -> Section:
                    _gemm_issues(results))
 
 
-SCALED_HEADERS = ("name", "M", "N", "K", "recipe", "tgemm TFLOP/s", "torch TFLOP/s",
+SCALED_HEADERS = ("name", "M", "N", "K", "recipe", "accum", "tgemm TFLOP/s", "torch TFLOP/s",
                   "ratio kernel", "ratio eager", "rel err")
 
 
@@ -190,13 +190,14 @@ def scaled_section(results: Sequence[GemmResult]) -> Section:
     rows = []
     for r in results:
         c = r.case
-        rows.append([c.name, str(c.m), str(c.n), str(c.k), c.recipe,
+        rows.append([c.name, str(c.m), str(c.n), str(c.k), c.recipe, c.accumulation,
                      fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
                      fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
                      _err_cells(r)[0]])
     title = ("scaled: scaled_mm (float8_e4m3fn -> bf16) vs torch._scaled_mm (n/a: this torch "
-             "cannot run the recipe); rel err vs the dequantized operands' fp32 product")
-    return Section(title, SCALED_HEADERS, rows, frozenset({"name", "recipe"}),
+             "cannot run the recipe), both with the row's accumulation (precise: "
+             "use_fast_accum=False); rel err vs the dequantized operands' fp32 product")
+    return Section(title, SCALED_HEADERS, rows, frozenset({"name", "recipe", "accum"}),
                    _gemm_issues(results))
 
 
@@ -330,7 +331,8 @@ def summary_rows(results: RunResults) -> list[list[str]]:
     if results.grouped:
         rows.append(_summary_row("grouped vs torch", "bf16", results.grouped))
         rows.append(_summary_row("grouped vs loop", "bf16", results.grouped, peer="loop"))
-    by_recipe = _grouped_by(results.scaled, lambda r: (r.case.recipe, r.dtype))
+    by_recipe = _grouped_by(results.scaled, lambda r: (
+        r.case.recipe + (" fast" if r.case.fast else ""), r.dtype))
     rows += [_summary_row(f"scaled {recipe}", dtype, group)
              for (recipe, dtype), group in by_recipe.items()]
     if results.moe:

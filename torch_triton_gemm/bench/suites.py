@@ -34,7 +34,8 @@ SUITE_DESCRIPTIONS = {
     "e2e": "step time of Llama blocks (bf16, fwd+bwd), plain vs override()",
     "coldstart": "first training step of the drop-in example's model in fresh processes",
     "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
-    "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes",
+    "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes, "
+              "precise and fast accumulation",
     "moe": "moe_mlp vs the unfused torch._grouped_mm MoE MLP (Mixtral, Qwen3-MoE), with peak "
            "memory",
     "classes": "named shapes the planner finds hard: near1000, overwave, near3000, decode32, "
@@ -449,7 +450,13 @@ SCALED_RECIPES = {
     "blockwise": "a: one scale per 1x128 block; b: one per 128x128 block of the [N, K] weight",
 }
 SCALED_SQUARE_SIZES = (4096, 8192)
-SCALED_LLAMA_MS = (16, 2048, 8192)
+SCALED_LLAMA_MS = (16, 128, 2048, 8192)
+# A wide MLP projection (4096 tokens, intermediate 18944, hidden 3584).
+SCALED_EXTRA_SHAPES = ((4096, 18944, 3584),)
+# Accumulation modes timed per recipe (use_fast_accum, each side the same): blockwise scales
+# apply at every K step, so it has no fast mode.
+SCALED_ACCUMULATION = {"tensorwise": (False, True), "rowwise": (False, True),
+                       "blockwise": (False,)}
 # (suite-local name, M, N, K)
 QUICK_SCALED_SHAPES = (("4096^3", 4096, 4096, 4096), ("qkv", 16, 6144, 4096),
                        ("gate_up", 2048, 28672, 4096))
@@ -464,6 +471,7 @@ class ScaledCase:
     n: int
     k: int
     recipe: str  # a key of SCALED_RECIPES
+    fast: bool = False  # use_fast_accum on both sides
     suite: str = "scaled"
 
     @property
@@ -476,21 +484,30 @@ class ScaledCase:
 
     def label(self) -> str:
         where = f" M={self.m}" if self.name != _shape_name(self.m, self.n, self.k) else ""
-        return f"scaled {self.name}{where} {self.recipe}"
+        return f"scaled {self.name}{where} {self.recipe}{' fast' if self.fast else ''}"
+
+    @property
+    def accumulation(self) -> str:
+        return "fast" if self.fast else "precise"
 
     def record(self) -> dict[str, object]:
-        return {"M": self.m, "N": self.n, "K": self.k, "recipe": self.recipe}
+        return {"M": self.m, "N": self.n, "K": self.k, "recipe": self.recipe,
+                "accum": self.accumulation}
 
 
 def scaled_cases(quick: bool = False) -> list[ScaledCase]:
-    """The scaled suite in run order: every shape with each recipe."""
+    """The scaled suite in run order: every shape with each recipe and its accumulation modes
+    (--quick: precise only)."""
     if quick:
         shapes = list(QUICK_SCALED_SHAPES)
     else:
         shapes = [(_shape_name(s, s, s), s, s, s) for s in SCALED_SQUARE_SIZES]
+        shapes += [(_shape_name(m, n, k), m, n, k) for m, n, k in SCALED_EXTRA_SHAPES]
         shapes += [(name, m, n, k) for m in SCALED_LLAMA_MS for name, n, k in LLAMA_LAYERS]
-    return [ScaledCase(name, m, n, k, recipe)
-            for name, m, n, k in shapes for recipe in SCALED_RECIPES]
+    return [ScaledCase(name, m, n, k, recipe, fast)
+            for name, m, n, k in shapes for recipe in SCALED_RECIPES
+            for fast in (SCALED_ACCUMULATION[recipe][:1] if quick
+                         else SCALED_ACCUMULATION[recipe])]
 
 
 # --- counts for --list --------------------------------------------------------------------------
