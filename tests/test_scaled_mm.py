@@ -981,9 +981,9 @@ def test_gpu_precise_kernel_within_torchs_error(recipe, shape):
 
 @pytest.mark.gpu
 def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
-    """A product the precise kernel takes in eager calls, under torch.compile (fullgraph;
-    traced launches keep the Triton kernels, which Inductor can parse) and replayed in a CUDA
-    graph with new operands, against float64."""
+    """A product the precise kernel takes in eager calls, under torch.compile (fullgraph: the
+    graph calls the opaque tgemm::_scaled_mm_hopper, as Inductor cannot parse Gluon) and
+    replayed in a CUDA graph with new operands, against float64."""
     if not _on_hopper_with_gluon():
         pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
     from torch_triton_gemm.ops.planner import plan_mm
@@ -997,9 +997,13 @@ def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
     scales = _gemm_scales(checked, sa, sb, False)
     assert plan_mm(a, b, bias, out, "none", False, scales).kernel == tuning.FP8_PRECISE_KERNEL
     assert plan_mm(a, b, bias, out, "none", True, scales).kernel != tuning.FP8_PRECISE_KERNEL
+    from torch._inductor.utils import run_and_get_code
+
     compiled = torch.compile(lambda *t: tg.scaled_mm(*t) * 2, fullgraph=True)
     ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
-    assert rel_error(compiled(a, b, sa, sb, bias), 2 * ref) <= TOLERANCE
+    result, code = run_and_get_code(compiled, a, b, sa, sb, bias)
+    assert rel_error(result, 2 * ref) <= TOLERANCE
+    assert "_scaled_mm_hopper" in "\n".join(code)  # the opaque op, not a parsed kernel
     tg.scaled_mm(a, b, sa, sb, bias)  # compiled and memoised outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
