@@ -883,6 +883,11 @@ def test_fp8_precise_plans():
     consumer warpgroups, and stages that fit the shared memory with every output dtype."""
     assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
     assert tuning.fp8_precise_plan(16, 28672, 132, 2) is None  # decode: 16-row tiles
+    # Grouped: the average group's rows pick the tile; small groups keep the Triton kernel.
+    assert tuning.fp8_grouped_precise_tile(32768, 2048, 512, 132, 2) is None  # 64 rows each
+    assert tuning.fp8_grouped_precise_tile(2048, 2048, 8, 132, 2).block_m == 128
+    assert tuning.fp8_grouped_precise_tile(16384, 2048, 8, 132, 4) == (
+        tuning.fp8_precise_plan(2048, 2048, 132, 4).tile)
     assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
@@ -905,16 +910,23 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel as kernel
+from torch_triton_gemm.kernels.wgmma_fp8 import fp8_grouped_precise_kernel
+from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel
 
-for consumers, stages, regs, out in ((2, 4, 232, "*bf16"), (3, 3, 160, "*fp32")):
-    constants = dict(HAS_BIAS=True, BLOCKWISE=consumers == 3, A_ROWS=1,
-                     CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
-                     STAGES=stages, CONSUMER_REGS=regs, ws_ptr=None, locks_ptr=None)
+for kernel, consumers, stages, regs, out in (
+        (fp8_precise_kernel, 2, 4, 232, "*bf16"), (fp8_precise_kernel, 3, 3, 160, "*fp32"),
+        (fp8_grouped_precise_kernel, 2, 4, 232, "*bf16")):
+    grouped = kernel is fp8_grouped_precise_kernel
+    constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
+                     STAGES=stages, CONSUMER_REGS=regs)
+    if grouped:
+        constants.update(rows_ptr=None, weights_ptr=None)
+    else:
+        constants.update(BLOCKWISE=consumers == 3, A_ROWS=1, ws_ptr=None, locks_ptr=None)
     signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
-                 "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
-    for name in kernel.arg_names:
-        signature.setdefault(name, "constexpr" if name in constants else "i32")
+                 "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32"}
+    signature = {name: signature.get(name, "constexpr" if name in constants else "i32")
+                 for name in kernel.arg_names}
     index = kernel.arg_names.index
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
     source = GluonASTSource(fn=kernel, signature=signature,
@@ -929,16 +941,17 @@ for consumers, stages, regs, out in ((2, 4, 232, "*bf16"), (3, 3, 160, "*fp32"))
 
 
 def test_fp8_precise_kernel_compiles_for_hopper():
-    """Without a GPU, Triton compiles the Gluon kernel for sm_90: per consumer warpgroup one
-    K step of four m64n128k32 wgmmas and one full wait (the promotion), warp specialization
-    (register reallocation between the partitions) and TMA copies."""
+    """Without a GPU, Triton compiles the Gluon kernels (plain and grouped) for sm_90: per
+    consumer warpgroup one K step of four m64n128k32 wgmmas and one full wait (the promotion),
+    warp specialization (register reallocation between the partitions) and TMA copies."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     from torch_triton_gemm.kernels import wgmma_fp8
 
     assert wgmma_fp8.AVAILABLE  # the Triton these tests run on has Gluon
     out = _run_without_interpreter(_PRECISE_COMPILE_SCRIPT).split("\n")
-    assert out[:2] == ["2 8 ['0'] 2 True True", "3 12 ['0'] 3 True True"], out
+    assert out[:3] == ["2 8 ['0'] 2 True True", "3 12 ['0'] 3 True True",
+                       "2 8 ['0'] 2 True True"], out
 
 
 def _on_hopper_with_gluon() -> bool:

@@ -184,12 +184,6 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                           None if pads == (None, None) else pads, locks_shape=locks, plan=plan)
 
 
-# Registers per thread of the precise fp8 kernel's consumer warpgroups (two or three of them, see
-# kernels/wgmma_fp8.py): a 64x128 fp32 accumulator and the step's partial sum, 64 each, fit
-# either way; three consumers must leave room in the SM's 64K registers for each other.
-_FP8_CONSUMER_REGS = {2: 232, 3: 160}
-
-
 def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                          out: torch.Tensor, plan: tuning.MMPlan,
                          scales: GemmScales | None) -> PreparedLaunch:
@@ -208,7 +202,7 @@ def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
                     bias.stride(0) if bias is not None else 0, *scales.strides,
                     bias is not None, scales.mode == "block", scales.a_rows)
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
-            "STAGES": tile.num_stages, "CONSUMER_REGS": _FP8_CONSUMER_REGS[consumers],
+            "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
             "num_warps": 4}
     return PreparedLaunch(wgmma_fp8.fp8_precise_kernel, (((programs,), meta, runtime_args),),
                           None, None, plan=plan)
