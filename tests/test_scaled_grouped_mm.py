@@ -562,9 +562,7 @@ def test_traced_without_interpreter_exposes_the_kernel():
 
 
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for as compile_for_sm90
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
 def compile_for(scaling, fast, a_rows, b_cols, tile):
@@ -579,17 +577,10 @@ def compile_for(scaling, fast, a_rows, b_cols, tile):
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16",
                 "offs_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                 for name in kernel.arg_names}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
                "K", "N"]
-    index = kernel.arg_names.index
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(index(k),): v for k, v in constants.items()},
-        attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = compile_for_sm90(kernel, pointers, constants, aligned, num_warps=num_warps,
+                                num_stages=num_stages)
     ir = compiled.asm["ttgir"]
     print(scaling, fast, "warp_group_dot" in ir,
           "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers",

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
 import pytest
 import torch
 from samples import rel_error
+from test_mm import _run_without_interpreter
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_triton_gemm as tg
@@ -575,15 +574,6 @@ def test_fake_tensor_propagation_cuda():
             tg.scaled_mm(a, b, sa, sb)
 
 
-def _run_without_interpreter(script: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def test_traced_without_interpreter_exposes_the_kernel():
     """With compiled Triton (here CUDA FakeTensors on a GPU-less host), tgemm::scaled_mm is a
     triton_op: its fake runs, and functional tracing sees the kernel and the recipe it chose
@@ -624,9 +614,7 @@ def test_traced_without_interpreter_exposes_the_kernel():
 
 
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for as compile_for_target
 from torch_triton_gemm.kernels.matmul import mm_tma_kernel
 from torch_triton_gemm.kernels.scaled import scaled_mm_kernel
 
@@ -642,23 +630,10 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
     constants.update(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True,
                      UPCAST_TO_FP32=False, INDEX_64=False, BLOCK_M=block_m, BLOCK_N=block_n,
                      BLOCK_K=block_k, GROUP_M=8)
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in POINTERS:
-            kind = POINTERS[name]
-            signature[name] = POINTER[fmt] if kind == "ab" else (
-                POINTER[scale_fmt] if kind == "s" else kind)
-        else:
-            signature[name] = "i32"
-    index = kernel.arg_names.index
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(index(k),): v for k, v in constants.items()},
-        attrs={(index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    pointers = {name: POINTER[fmt] if kind == "ab" else POINTER[scale_fmt] if kind == "s"
+                else kind for name, kind in POINTERS.items()}
+    compiled = compile_for_target(kernel, pointers, constants, ALIGNED, arch,
+                                  num_warps=num_warps, num_stages=num_stages)
     ir = compiled.asm["ttgir"]
     mma = [op for op in ("warp_group_dot", "tc_gen5_mma_scaled", "tc_gen5_mma") if op in ir]
     print(arch, constants["SCALING"], fmt, scale_fmt, mma[0] if mma else "none",
@@ -907,33 +882,23 @@ def test_fp8_precise_plans():
 
 _PRECISE_COMPILE_SCRIPT = """
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
+from hopper_compile import compile_for
 from torch_triton_gemm.kernels.wgmma_fp8 import fp8_grouped_precise_kernel
 from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel
 
 for kernel, consumers, stages, regs, out in (
         (fp8_precise_kernel, 2, 4, 232, "*bf16"), (fp8_precise_kernel, 3, 3, 160, "*fp32"),
         (fp8_grouped_precise_kernel, 2, 4, 232, "*bf16")):
-    grouped = kernel is fp8_grouped_precise_kernel
     constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
                      STAGES=stages, CONSUMER_REGS=regs)
-    if grouped:
+    if kernel is fp8_grouped_precise_kernel:
         constants.update(rows_ptr=None, weights_ptr=None)
     else:
         constants.update(BLOCKWISE=consumers == 3, A_ROWS=1, ws_ptr=None, locks_ptr=None)
-    signature = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
-                 "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32"}
-    signature = {name: signature.get(name, "constexpr" if name in constants else "i32")
-                 for name in kernel.arg_names}
-    index = kernel.arg_names.index
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
+                "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32"}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
-    source = GluonASTSource(fn=kernel, signature=signature,
-                            constexprs={(index(k),): v for k, v in constants.items()},
-                            attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4)).asm["ptx"]
+    ptx = compile_for(kernel, pointers, constants, aligned, num_warps=4).asm["ptx"]
     waits = re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)
     print(consumers, len(re.findall(r"wgmma.mma_async.sync.aligned.m64n128k32", ptx)),
           sorted(set(waits)), len(waits), "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx)
