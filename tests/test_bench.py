@@ -7,6 +7,8 @@ GPU measurements themselves run on a GPU only (``python -m torch_triton_gemm.ben
 from __future__ import annotations
 
 import csv
+import dataclasses
+import itertools
 import math
 import os
 import random
@@ -20,7 +22,17 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torch_triton_gemm.bench import cli, e2e, gemm, grouped, report, scaled, suites, timing
+from torch_triton_gemm.bench import (
+    cli,
+    e2e,
+    gemm,
+    grouped,
+    report,
+    scaled,
+    sgrouped,
+    suites,
+    timing,
+)
 from torch_triton_gemm.bench.results import (
     ColdStartResult,
     E2EResult,
@@ -28,7 +40,13 @@ from torch_triton_gemm.bench.results import (
     LatencyResult,
     RunResults,
 )
-from torch_triton_gemm.bench.suites import Case, GroupedCase, MoECase, ScaledCase
+from torch_triton_gemm.bench.suites import (
+    Case,
+    GroupedCase,
+    MoECase,
+    ScaledCase,
+    ScaledGroupedCase,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +57,7 @@ def test_default_options():
     args = cli.parse_args([])
     assert args.suite == list(suites.DEFAULT_SUITES)
     assert "grouped" not in args.suite and "scaled" not in args.suite
+    assert "sgrouped" not in args.suite and "moe" not in args.suite
     assert args.dtypes == ["bf16", "fp16"]
     assert (args.warmup, args.rep, args.rounds, args.calls) == (25, 100, 2, 16)
     assert not (args.quick or args.list or args.markdown)
@@ -89,7 +108,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
                      "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
-                     "scaled": 42, "moe": 8, "classes": 21, "sweep": 400}
+                     "scaled": 95, "sgrouped": 24, "moe": 8, "classes": 21, "sweep": 400}
 
 
 def test_suite_row_counts_match_the_shape_list():
@@ -277,13 +296,44 @@ def test_skewed_routing_is_zipf_like_with_empty_experts():
 def test_scaled_suite_cases():
     cases = suites.scaled_cases()
     shapes = {(c.m, c.n, c.k) for c in cases}
-    llama = {(m, n, k) for m in (16, 2048, 8192)
+    llama = {(m, n, k) for m in (16, 128, 2048, 8192)
              for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))}
-    assert shapes == {(4096,) * 3, (8192,) * 3} | llama
-    for recipe in suites.SCALED_RECIPES:
-        assert sum(c.recipe == recipe for c in cases) == len(shapes)
+    assert shapes == {(4096,) * 3, (8192,) * 3, (4096, 18944, 3584)} | llama
+    for recipe in ("tensorwise", "rowwise"):  # both accumulation modes
+        assert {(c.m, c.n, c.k, c.fast) for c in cases if c.recipe == recipe} == {
+            (*shape, fast) for shape in shapes for fast in (False, True)}
+    assert {(c.m, c.n, c.k, c.fast) for c in cases if c.recipe == "blockwise"} == {
+        (*shape, False) for shape in shapes}
+    assert len({c.label() for c in cases}) == len(cases)
+    assert all(not c.fast for c in suites.scaled_cases(quick=True))
     # 128x128 blocks tile every weight; torch._scaled_mm wants sizes divisible by 16.
     assert all(c.n % 128 == 0 and c.k % 128 == 0 and c.m % 16 == 0 for c in cases)
+
+
+def test_sgrouped_suite_cases():
+    cases = suites.sgrouped_cases()
+    shapes = {("mixtral", "gate_up"): (8, 28672, 4096), ("mixtral", "down"): (8, 4096, 14336),
+              ("deepseek", "gate_up"): (256, 4096, 7168), ("deepseek", "down"): (256, 7168, 2048)}
+    tokens = {"mixtral": {8192, 32768}, "deepseek": {8192}}  # routed rows: tokens * top-k
+    expected = {(name, proj, t, routing, fast) for (name, proj) in shapes for t in tokens[name]
+                for routing in ("balanced", "skewed") for fast in (False, True)}
+    assert {(c.name, c.proj, c.tokens, c.routing, c.fast_accum) for c in cases} == expected
+    assert len(cases) == len(expected)
+    for c in cases:
+        assert (c.groups, c.n, c.k) == shapes[c.name, c.proj]
+        sizes = c.group_sizes()
+        # torch's grouped fp8 kernels need every group a multiple of 16 rows.
+        assert len(sizes) == c.groups and sum(sizes) == c.tokens
+        assert all(size % 16 == 0 for size in sizes)
+        assert c.flops == 2 * c.tokens * c.n * c.k
+    skewed = next(c for c in cases if c.name == "deepseek" and c.routing == "skewed")
+    assert 0 in skewed.group_sizes() and max(skewed.group_sizes()) > 4 * 8192 // 256
+    quick = suites.sgrouped_cases(quick=True)
+    assert set(quick) < set(cases)
+    # Every quick shape in both accumulation modes, each model and projection present.
+    assert {(c.name, c.proj) for c in quick} == set(shapes)
+    assert all(dataclasses.replace(c, fast_accum=not c.fast_accum) in quick for c in quick)
+    assert quick[0].label() == "sgrouped mixtral gate_up balanced T=8192 accum=fp32"
 
 
 def test_moe_suite_cases():
@@ -311,6 +361,52 @@ def test_moe_section_and_csv_report_peak_memory(tmp_path):
     with open(path) as f:
         (record,) = list(csv.DictReader(f))
     assert (float(record["tgemm_peak_mib"]), float(record["torch_peak_mib"])) == (100.0, 900.0)
+
+
+def _sgrouped_case(proj: str, fast: bool) -> ScaledGroupedCase:
+    n, k = (28672, 4096) if proj == "gate_up" else (4096, 14336)
+    return ScaledGroupedCase("mixtral", proj, 8, 8192, n, k, "balanced", fast)
+
+
+def test_sgrouped_section_summary_and_csv(tmp_path):
+    rows = [GemmResult(_sgrouped_case("gate_up", False), "fp8", {"tgemm": 2.0, "torch": 3.0},
+                       {"tgemm": 2.5, "torch": 3.0}, 3e-3, "fp64 deq", 1.0, peer_diff=0.0,
+                       peer_equal=True),
+            GemmResult(_sgrouped_case("gate_up", True), "fp8", {"tgemm": 2.0, "torch": 1.0},
+                       {"tgemm": 2.0, "torch": 1.0}, 4e-3, "fp64 deq", 1.0, peer_diff=2.5e-3,
+                       peer_equal=False),
+            GemmResult(_sgrouped_case("down", False), "fp8", {"tgemm": 1.0}, {"tgemm": 1.2},
+                       3e-3, "fp64 deq", 1.0,
+                       note="torch._scaled_grouped_mm n/a (RuntimeError: x)"),
+            GemmResult(_sgrouped_case("down", True), "fp8", error="OutOfMemoryError: oom")]
+    results = RunResults(sgrouped=rows)
+    (section,) = report.sections(results)
+    text = section.render()
+    tflops = 2 * 8192 * 28672 * 4096 / 1e12
+    assert _cells(text, "mixtral gate_up balanced fp32")[4:] == [
+        "8", "8192", "28672", "4096", f"{tflops / 2e-3:.1f}", f"{tflops / 3e-3:.1f}", "1.50",
+        "1.20", "3.00e-03", "bitwise"]
+    assert _cells(text, "mixtral gate_up balanced fast")[10:] == [
+        "0.50", "0.50", "4.00e-03", "2.50e-03"]
+    assert _cells(text, "mixtral down balanced fp32")[9:] == ["n/a", "n/a", "n/a", "3.00e-03",
+                                                              "n/a"]
+    assert _cells(text, "mixtral down balanced fast")[8:] == ["n/a", "n/a", "n/a", "n/a",
+                                                              "ERROR"]
+    assert "note sgrouped mixtral down balanced T=8192 accum=fp32 fp8: torch." in text
+    summary = report.summary(results)
+    # Both fp32 rows ran tgemm; the one without torch has no ratio.
+    assert _cells(summary, "sgrouped accum=fp32")[2:5] == ["fp8", "2", "1.50"]
+    assert _cells(summary, "sgrouped accum=fast")[2:7] == ["fp8", "1", "(1", "failed)", "0.50"]
+    path = tmp_path / "sgrouped.csv"
+    report.write_csv(str(path), results.records())
+    with open(path) as f:
+        records = list(csv.DictReader(f))
+    assert [r["suite"] for r in records] == ["sgrouped"] * 4
+    assert [r["torch_bitwise_equal"] for r in records] == ["True", "False", "", ""]
+    assert float(records[1]["torch_diff"]) == 2.5e-3
+    assert (records[0]["proj"], records[0]["fast_accum"], records[1]["fast_accum"]) == (
+        "gate_up", "False", "True")
+    assert float(records[0]["ratio"]) == 1.5
 
 
 # --- --list -------------------------------------------------------------------------------------
@@ -346,6 +442,14 @@ def test_list_with_suites_shows_their_shapes(capsys):
     quick = (suites.suite_row_count("decode", True) + suites.suite_row_count("grouped", True)
              + suites.suite_row_count("scaled", True))
     assert f"{quick} rows would run (--quick)" in out
+    assert cli.main(["--list", "--suite", "sgrouped"]) == 0
+    out = capsys.readouterr().out
+    assert "24 rows would run" in out
+    listed = [line.split() for line in out.splitlines()
+              if line.startswith(("mixtral", "deepseek"))]
+    assert [cells[:8] for cells in listed] == [
+        [c.name, c.proj, c.routing, c.accum, str(c.groups), str(c.tokens), str(c.n), str(c.k)]
+        for c in suites.sgrouped_cases()]
 
 
 # --- tables, summary, CSV -----------------------------------------------------------------------
@@ -461,7 +565,8 @@ def test_every_section_renders():
     assert _cells(text, "mixtral")[7:14] == [
         *(f"{2 * 8192 * 14336 * 4096 / (ms * 1e-3) / 1e12:.1f}" for ms in (2.0, 2.2, 3.0)),
         "1.10", "1.10", "1.50", "2.00"]
-    assert _cells(text, "4096^3 4096 4096 4096 blockwise")[6:9] == ["n/a", "n/a", "n/a"]
+    blockwise = _cells(text, "4096^3 4096 4096 4096 blockwise")
+    assert blockwise[5] == "precise" and blockwise[7:10] == ["n/a", "n/a", "n/a"]
     assert _cells(text, "override, cold caches")[3:6] == ["30.00", "15.00", "101.0"]
     doc = report.markdown_report(["GPU X | torch Y"], results)
     assert doc.startswith("# torch_triton_gemm benchmark\n\n- GPU X | torch Y\n\n## mm llama")
@@ -762,6 +867,106 @@ def test_grouped_inputs(form):
         assert grad_out.shape == (64, 48)
 
 
+SGROUPED_TINY = ScaledGroupedCase("t", "gate_up", groups=4, tokens=96, n=48, k=32,
+                                  routing="skewed", fast_accum=False)
+
+
+def _sgrouped_float64(args: tuple) -> torch.Tensor:
+    """The product of the dequantized operands in float64, group by group (independently of
+    sgrouped.reference_error)."""
+    a, b, scale_a, scale_b, offs = args
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    x = a.double() * scale_a.double()[:, None]
+    return torch.cat([x[s:e] @ (b[g].double() * scale_b[g].double()[None, :])
+                      for g, (s, e) in enumerate(zip(starts, ends))])
+
+
+def test_sgrouped_inputs_follow_torch_scaled_grouped_mm_contract():
+    case = SGROUPED_TINY
+    args = sgrouped.make_inputs(case, "cpu")
+    a, b, scale_a, scale_b, offs = args
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.shape == (96, 32) and a.is_contiguous()
+    # b: the expert weights [G, N, K] transposed, column-major per expert.
+    assert b.shape == (4, 32, 48) and b.stride() == (48 * 32, 1, 32)
+    assert scale_a.shape == (96,) and scale_b.shape == (4, 48)
+    assert scale_a.dtype == scale_b.dtype == torch.float32
+    assert offs.dtype == torch.int32 and offs.tolist() == list(
+        itertools.accumulate(case.group_sizes()))
+    # Rowwise amax quantization: every row of a and every output channel of each expert's
+    # weight reaches e4m3's largest value.
+    assert torch.all(a.float().abs().amax(1) == scaled.FP8_MAX)
+    assert torch.all(b.float().abs().amax(1) == scaled.FP8_MAX)
+    # torch takes these operands: its shape checks run anywhere (its kernels on sm_90+ only).
+    mode = FakeTensorMode()
+    with mode:
+        out = torch._scaled_grouped_mm(*(mode.from_tensor(t) for t in args),
+                                       out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert out.shape == (96, 48) and out.dtype == torch.bfloat16
+
+
+def test_sgrouped_reference_samples_and_catches_wrong_rows():
+    case = dataclasses.replace(SGROUPED_TINY, groups=40, tokens=40 * 96, routing="balanced")
+    blocks = sgrouped.reference_rows(case)
+    # Every third of the 40 experts: at most REF_GROUPS of them, from the first to the last.
+    assert sorted({g for g, _, _ in blocks}) == list(range(0, 40, 3))
+    for g, start, end in blocks:  # inside its expert's rows, first and last rows of each
+        assert g * 96 <= start < end <= (g + 1) * 96
+    assert {(start - g * 96, end - g * 96) for g, start, end in blocks} == {
+        (0, sgrouped.REF_ROWS // 2), (96 - sgrouped.REF_ROWS // 2, 96)}
+    args = sgrouped.make_inputs(SGROUPED_TINY, "cpu")
+    ref = _sgrouped_float64(args)
+    assert sgrouped.reference_error(SGROUPED_TINY, args, ref.to(torch.bfloat16)) < 1e-2
+    assert sgrouped.reference_error(SGROUPED_TINY, args, ref) < 1e-12
+    # A row of a sampled group computed with another group's weight is seen.
+    g, start, _ = sgrouped.reference_rows(SGROUPED_TINY)[-1]
+    wrong = ref.clone()
+    wrong[start] = (args[0][start].double() * args[2][start].double()) @ (
+        args[1][g - 1].double() * args[3][g - 1].double())
+    assert sgrouped.reference_error(SGROUPED_TINY, args, wrong) > 1e-2
+
+
+def test_sgrouped_compares_outputs_bitwise():
+    out = torch.randn(10, 6).to(torch.bfloat16)
+    assert sgrouped.compare_with_peer(out, out.clone()) == (0.0, True)
+    other = out.clone()
+    other[3, 2] = -other[3, 2] if other[3, 2] != 0 else 1.0
+    diff, equal = sgrouped.compare_with_peer(out, other)
+    assert not equal and diff > 0
+    zeros = torch.zeros(2, 2, dtype=torch.bfloat16)
+    assert sgrouped.compare_with_peer(zeros, -zeros)[1] is False  # -0.0: equal, not bitwise
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_sgrouped_row_inputs_through_tgemm(fast, device):
+    """The suite's operands through tgemm.scaled_grouped_mm (Triton's interpreter without a
+    GPU), checked by the suite's reference and by an independent float64 product."""
+    case = dataclasses.replace(SGROUPED_TINY, fast_accum=fast)
+    args = sgrouped.make_inputs(case, device)
+    out = sgrouped._ops(fast)["tgemm"](*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (96, 48)
+    assert sgrouped.reference_error(case, args, out) < 1e-2
+    assert _rel(out, _sgrouped_float64(args)) < 1e-2
+
+
+def test_sgrouped_suite_skips_with_a_reason(monkeypatch):
+    """Without torch._scaled_grouped_mm, without a GPU, or on a GPU before sm_90, the suite is
+    skipped with a note saying why, and no row is built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA GPU" in sgrouped.missing_reason()
+    args = cli.parse_args(["--suite", "sgrouped"])
+    results = cli.run_suites(args, torch.device("cpu"))
+    assert results.sgrouped == [] and len(results.notes) == 1
+    assert results.notes[0].startswith("sgrouped: skipped (no CUDA GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "sm_80" in sgrouped.missing_reason()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert sgrouped.missing_reason() is None
+    monkeypatch.delattr(torch, "_scaled_grouped_mm")
+    assert "no torch._scaled_grouped_mm" in sgrouped.missing_reason()
+
+
 def test_operand_copies_keep_layout_and_rotate(monkeypatch):
     monkeypatch.setattr(timing, "ROTATE_BYTES", 20 * 1024)
     a = torch.randn(64, 32)
@@ -872,6 +1077,21 @@ def test_gpu_scaled_row(recipe):
                               torch.device("cuda"))
     assert not r.error, r.error
     assert r.rel_err < 1e-2 and r.time_ms("tgemm") > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+def test_gpu_sgrouped_row(fast):
+    if sgrouped.missing_reason():
+        pytest.skip(sgrouped.missing_reason())
+    case = ScaledGroupedCase("t", "gate_up", groups=8, tokens=1024, n=512, k=256,
+                             routing="skewed", fast_accum=fast)
+    r = sgrouped.measure_sgrouped(case, FAST, torch.device("cuda"))
+    assert not r.error, r.error
+    assert r.rel_err < 1e-2 and r.err_vs == "fp64 deq"
+    assert r.peer_equal or r.peer_diff < 1e-2, r.note
+    for impl in ("tgemm", "torch"):
+        assert r.time_ms(impl) > 0 and r.time_ms(impl, "eager") > 0, (impl, r.note)
 
 
 @pytest.mark.gpu

@@ -219,7 +219,9 @@ def test_cpu_tensors_without_interpreter_explain_what_to_do():
 
 def _run_without_interpreter(script: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    # The repository and its tests (for helpers such as hopper_compile.py).
+    env["PYTHONPATH"] = os.pathsep.join((REPO, os.path.join(REPO, "tests"),
+                                         env.get("PYTHONPATH", "")))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -320,8 +320,11 @@ def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp
     assert torch.equal(loss, eager_loss)
     for g, e in zip(grads, torch.autograd.grad(eager_loss, leaves)):
         assert torch.equal(g, e)
-    backward_ops = {str(n.target) for n in _KEPT[-1].graph.nodes if n.op == "call_function"}
-    assert {"tgemm.moe_routed_mm.default", "tgemm.grouped_mm.default"} <= backward_ops
+    backward_ops = [str(n.target) for n in _KEPT[-1].graph.nodes if n.op == "call_function"]
+    if device == "cpu":
+        assert {"tgemm.moe_routed_mm.default", "tgemm.grouped_mm.default"} <= set(backward_ops)
+    else:  # compiled Triton: the ops trace into their kernels' launches
+        assert _KEPT[-1].code.count("triton_kernel_wrapper_functional(") >= 3, backward_ops
 
 
 def test_traces_on_cuda_fake_tensors():
@@ -381,9 +384,7 @@ def test_traces_on_cuda_fake_tensors():
 
 
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for as compile_for_sm90
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
 def compile_for(route, gate, weights, tile, tma=False):
@@ -399,17 +400,10 @@ def compile_for(route, gate, weights, tile, tma=False):
         constants["weights_ptr"] = None
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32",
                 "rows_ptr": "*i32", "weights_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                 for name in kernel.arg_names}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
                "K", "N"]
-    index = kernel.arg_names.index
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(index(k),): v for k, v in constants.items()},
-        attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = compile_for_sm90(kernel, pointers, constants, aligned, num_warps=num_warps,
+                                num_stages=num_stages)
     ir = compiled.asm["ttgir"]
     print(route, gate, weights, "warp_group_dot" in ir,
           "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers")
@@ -421,17 +415,12 @@ compile_for("scatter", "none", True, (128, 128, 64, 8, 3))
 compile_for("scatter", "none", True, (128, 128, 64, 8, 3), tma=True)
 
 from torch_triton_gemm.kernels.glu import glu_backward_kernel as glu
-names = glu.arg_names
 for activation in ("silu", "gelu"):
     constants = {"ACTIVATION": activation, "BLOCK_M": 32, "BLOCK_N": 128}
     types = {"pre_ptr": "*bf16", "grad_ptr": "*bf16", "weights_ptr": "*fp32",
              "order_ptr": "*i32", "hw_ptr": "*bf16", "grad_pre_ptr": "*bf16",
              "grad_weights_ptr": "*fp32"}
-    source = ASTSource(
-        fn=glu, signature={n: "constexpr" if n in constants else types.get(n, "i32")
-                           for n in names},
-        constexprs={(names.index(k),): v for k, v in constants.items()})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    compile_for_sm90(glu, types, constants, num_warps=4)
     print("glu", activation)
 """
 

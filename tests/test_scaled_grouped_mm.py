@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import tuning
+from torch_triton_gemm.kernels import wgmma_fp8
 from torch_triton_gemm.ops import grouped_launch
 from torch_triton_gemm.ops import scaled_grouped_mm as sgmm_module
 from torch_triton_gemm.ops.scaled_grouped_mm import _check_inputs, launch_scaled_grouped_mm
@@ -561,9 +562,7 @@ def test_traced_without_interpreter_exposes_the_kernel():
 
 
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for as compile_for_sm90
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
 def compile_for(scaling, fast, a_rows, b_cols, tile):
@@ -578,17 +577,10 @@ def compile_for(scaling, fast, a_rows, b_cols, tile):
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16",
                 "offs_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
-                 for name in kernel.arg_names}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
                "K", "N"]
-    index = kernel.arg_names.index
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(index(k),): v for k, v in constants.items()},
-        attrs={(index(k),): [["tt.divisibility", 16]] for k in aligned})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = compile_for_sm90(kernel, pointers, constants, aligned, num_warps=num_warps,
+                                num_stages=num_stages)
     ir = compiled.asm["ttgir"]
     print(scaling, fast, "warp_group_dot" in ir,
           "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers",
@@ -779,3 +771,47 @@ def test_gpu_dynamic_shapes_do_not_recompile():
         out = compiled(s.a, s.b, s.scale_a, s.scale_b, s.offs)
         assert rel_error(out[written], (torch.nn.functional.silu(ref) * 2)[written]) <= TOLERANCE
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,k,n", [(2048, 512, 2048), (6000, 528, 2304)],
+                         ids=["2048x512x2048", "6000x528x2304"])
+def test_gpu_precise_kernel_on_hopper(tokens, k, n):
+    """Eager MoE-forward products with rowwise scales and precise accumulation on an sm_90 GPU
+    run Hopper's warp-specialized kernel (two and three consumer warpgroups here): uneven
+    groups (one empty, sizes not multiples of 64), a bias per group, fp32 and bf16 out. Every
+    row inside a group written (NaN-poisoned output), rows past the last group left alone; fp32
+    out within 1e-3 of float64 (promotion every 128 of K), and without bias as close to float64
+    as torch._scaled_grouped_mm's precise mode (within 1.25x its error)."""
+    if torch.cuda.get_device_capability() != (9, 0) or not wgmma_fp8.AVAILABLE:
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    groups = 8
+    s = make_scaled_sample("m", "nt", "rowwise", E4M3, "cuda", k=k, rows=tokens, n=n,
+                           groups=groups, bias=True)
+    sizes = torch.tensor([tokens // groups + 37 * (i % 3) - 24 for i in range(groups)])
+    sizes[2] = 0
+    sizes = sizes // 16 * 16  # torch's kernels want multiples of 16
+    s.offs = sizes.cumsum(0).to(device="cuda", dtype=torch.int32)
+    last = int(s.offs[-1])
+    assert last < tokens
+    for out_dtype in (torch.float32, torch.bfloat16):
+        s.out_dtype = out_dtype
+        s.bias = s.bias.to(out_dtype)
+        _, _, scales = _check_inputs(*s.args())
+        out = _poisoned((tokens, n), out_dtype, "cuda")
+        launch = grouped_launch.prepare_fp8_grouped_precise(s.a, s.b, s.offs, s.bias, out,
+                                                            scales)
+        assert launch is not None and launch.kernel is wgmma_fp8.fp8_grouped_precise_kernel
+        grouped_launch.run_grouped_launch(launch, s.a, s.b, s.offs, s.bias, out, False,
+                                          s.scale_a, s.scale_b)
+        ref, written = reference(s)
+        assert torch.isnan(out[last:]).all()  # past the last group: not written
+        budget = 1e-3 if out_dtype == torch.float32 else TOLERANCE
+        assert rel_error(out[written], ref[written]) <= budget, out_dtype
+        assert rel_error(tg.scaled_grouped_mm(*s.args())[written], ref[written]) <= budget
+    s.bias, s.out_dtype = None, None
+    ref, written = reference(s)
+    ours = tg.scaled_grouped_mm(*s.args())
+    theirs = torch._scaled_grouped_mm(s.a, s.b, s.scale_a, s.scale_b, s.offs)
+    theirs_err = rel_error(theirs[written], ref[written])
+    assert rel_error(ours[written], ref[written]) <= 1.25 * theirs_err + 1e-7

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
 import pytest
 import torch
 from samples import rel_error
+from test_mm import _run_without_interpreter
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torch_triton_gemm as tg
@@ -575,15 +574,6 @@ def test_fake_tensor_propagation_cuda():
             tg.scaled_mm(a, b, sa, sb)
 
 
-def _run_without_interpreter(script: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def test_traced_without_interpreter_exposes_the_kernel():
     """With compiled Triton (here CUDA FakeTensors on a GPU-less host), tgemm::scaled_mm is a
     triton_op: its fake runs, and functional tracing sees the kernel and the recipe it chose
@@ -624,9 +614,7 @@ def test_traced_without_interpreter_exposes_the_kernel():
 
 
 _COMPILE_SCRIPT = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for as compile_for_target
 from torch_triton_gemm.kernels.matmul import mm_tma_kernel
 from torch_triton_gemm.kernels.scaled import scaled_mm_kernel
 
@@ -642,23 +630,10 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
     constants.update(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True,
                      UPCAST_TO_FP32=False, INDEX_64=False, BLOCK_M=block_m, BLOCK_N=block_n,
                      BLOCK_K=block_k, GROUP_M=8)
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in POINTERS:
-            kind = POINTERS[name]
-            signature[name] = POINTER[fmt] if kind == "ab" else (
-                POINTER[scale_fmt] if kind == "s" else kind)
-        else:
-            signature[name] = "i32"
-    index = kernel.arg_names.index
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(index(k),): v for k, v in constants.items()},
-        attrs={(index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    pointers = {name: POINTER[fmt] if kind == "ab" else POINTER[scale_fmt] if kind == "s"
+                else kind for name, kind in POINTERS.items()}
+    compiled = compile_for_target(kernel, pointers, constants, ALIGNED, arch,
+                                  num_warps=num_warps, num_stages=num_stages)
     ir = compiled.asm["ttgir"]
     mma = [op for op in ("warp_group_dot", "tc_gen5_mma_scaled", "tc_gen5_mma") if op in ir]
     print(arch, constants["SCALING"], fmt, scale_fmt, mma[0] if mma else "none",
@@ -874,3 +849,176 @@ def test_dynamic_shapes_do_not_recompile():
 def test_native_fp4_query_matches_the_gpu():
     major = torch.cuda.get_device_capability()[0]
     assert tgemm_device.supports_native_fp4(torch.device("cuda")) == (major == 10)
+
+
+# --- Hopper's warp-specialized precise fp8 kernel -------------------------------------------------
+
+def test_fp8_precise_plans():
+    """Which products the precise kernel takes (enough 128x128 tiles for the SMs), how many
+    consumer warpgroups, and stages that fit the shared memory with every output dtype."""
+    assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
+    assert tuning.fp8_precise_plan(16, 28672, 132, 2) is None  # decode: 16-row tiles
+    # Grouped: the average group's rows pick the tile; small groups keep the Triton kernel.
+    assert tuning.fp8_grouped_precise_tile(32768, 2048, 512, 132, 2) is None  # 64 rows each
+    assert tuning.fp8_grouped_precise_tile(2048, 2048, 8, 132, 2).block_m == 128
+    assert tuning.fp8_grouped_precise_tile(16384, 2048, 8, 132, 4) == (
+        tuning.fp8_precise_plan(2048, 2048, 132, 4).tile)
+    assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
+    small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
+    large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
+    fp32_out = tuning.fp8_precise_plan(8192, 8192, 132, 4)
+    assert small.kernel == large.kernel == fp32_out.kernel == tuning.FP8_PRECISE_KERNEL
+    assert (small.tile.block_m, small.tile.num_stages) == (128, 4)
+    assert (large.tile.block_m, large.tile.num_stages) == (192, 4)
+    assert (fp32_out.tile.block_m, fp32_out.tile.num_stages) == (192, 3)
+    for out_size in (2, 4):
+        for m in (1024, 8192):
+            tile = tuning.fp8_precise_plan(m, 8192, 132, out_size).tile
+            consumers = tile.block_m // 64
+            shared = (tile.num_stages * (tile.block_m + tile.block_n) * 128
+                      + consumers * 64 * tile.block_n * out_size)
+            assert shared <= 227 * 1024 and tile.num_stages >= 2
+
+
+_PRECISE_COMPILE_SCRIPT = """
+import re
+from hopper_compile import compile_for
+from torch_triton_gemm.kernels.wgmma_fp8 import fp8_grouped_precise_kernel
+from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel
+
+for kernel, consumers, stages, regs, out in (
+        (fp8_precise_kernel, 2, 4, 232, "*bf16"), (fp8_precise_kernel, 3, 3, 160, "*fp32"),
+        (fp8_grouped_precise_kernel, 2, 4, 232, "*bf16")):
+    constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
+                     STAGES=stages, CONSUMER_REGS=regs)
+    if kernel is fp8_grouped_precise_kernel:
+        constants.update(rows_ptr=None, weights_ptr=None)
+    else:
+        constants.update(BLOCKWISE=consumers == 3, A_ROWS=1, ws_ptr=None, locks_ptr=None)
+    pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",
+                "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32"}
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
+    ptx = compile_for(kernel, pointers, constants, aligned, num_warps=4).asm["ptx"]
+    waits = re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)
+    print(consumers, len(re.findall(r"wgmma.mma_async.sync.aligned.m64n128k32", ptx)),
+          sorted(set(waits)), len(waits), "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx)
+"""
+
+
+def test_fp8_precise_kernel_compiles_for_hopper():
+    """Without a GPU, Triton compiles the Gluon kernels (plain and grouped) for sm_90: per
+    consumer warpgroup one K step of four m64n128k32 wgmmas and one full wait (the promotion),
+    warp specialization (register reallocation between the partitions) and TMA copies."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    assert wgmma_fp8.AVAILABLE  # the Triton these tests run on has Gluon
+    out = _run_without_interpreter(_PRECISE_COMPILE_SCRIPT).split("\n")
+    assert out[:3] == ["2 8 ['0'] 2 True True", "3 12 ['0'] 3 True True",
+                       "2 8 ['0'] 2 True True"], out
+
+
+def _on_hopper_with_gluon() -> bool:
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    return wgmma_fp8.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528),
+                                   (1024, 2304, 16384)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_precise_kernel_within_torchs_error(recipe, shape):
+    """On an H100 the planner gives these precise products the warp-specialized kernel; every
+    output element is written (NaN-poisoned output), and its error against float64 stays
+    within 1.25x that of torch._scaled_mm's precise mode on the same operands (fp32 out: the
+    accumulation's error; bf16 out with a bias), odd M, N and K included."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    m, n, k = shape
+    a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda", E4M3, E4M3)
+    if recipe == "tensorwise":
+        sa, sb = sa.reshape(()), sb.reshape(())
+    for out_dtype, bias in ((torch.float32, None),
+                            (torch.bfloat16, torch.randn(n, device="cuda",
+                                                         dtype=torch.bfloat16))):
+        out_dtype, checked = _check_inputs(a, b, sa, sb, bias, out_dtype)
+        out = _poisoned((m, n), out_dtype, "cuda")
+        plan = plan_mm(a, b, bias, out, "none", False, _gemm_scales(checked, sa, sb, False))
+        assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+        launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
+        ref = reference(a, b, sa, sb, recipe, recipe, bias)
+        theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+        assert rel_error(out, ref) <= 1.25 * rel_error(theirs, ref) + 1e-7, out_dtype
+        assert rel_error(tg.scaled_mm(a, b, sa, sb, bias, out_dtype), ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
+    """A product the precise kernel takes in eager calls, under torch.compile (fullgraph: the
+    graph calls the opaque tgemm::_scaled_mm_hopper, as Inductor cannot parse Gluon) and
+    replayed in a CUDA graph with new operands, against float64."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    m, n, k = 1024, 2304, 512
+    a, b, sa, sb = quantized_pair(m, n, k, "rowwise", "rowwise", "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    _, checked = _check_inputs(a, b, sa, sb, bias, None)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    scales = _gemm_scales(checked, sa, sb, False)
+    assert plan_mm(a, b, bias, out, "none", False, scales).kernel == tuning.FP8_PRECISE_KERNEL
+    assert plan_mm(a, b, bias, out, "none", True, scales).kernel != tuning.FP8_PRECISE_KERNEL
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t) * 2, fullgraph=True)
+    ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
+    result, code = run_and_get_code(compiled, a, b, sa, sb, bias)
+    assert rel_error(result, 2 * ref) <= TOLERANCE
+    assert "_scaled_mm_hopper" in "\n".join(code)  # the opaque op, not a parsed kernel
+    tg.scaled_mm(a, b, sa, sb, bias)  # compiled and memoised outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = tg.scaled_mm(a, b, sa, sb, bias)
+    a2, _, sa2, _ = quantized_pair(m, n, k, "rowwise", "rowwise", "cuda")
+    _refill(a, a2)
+    _refill(sa, sa2)
+    graph.replay()
+    ref = reference(a, b, sa, sb, "rowwise", "rowwise", bias)
+    assert rel_error(static_out, ref) <= TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"),
+                                     ("blockwise_128x128", "blockwise_128x128")], ids=str)
+@pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_precise_kernel_blockwise(recipes, shape):
+    """Blockwise products with 128x128 blocks for b on the precise kernel (scales applied at
+    each K step's promotion, a partial last K block included): every output written, with fp32
+    out within 1e-3 of the float64 reference (fp32 promotion every 128 of K; the fp8 budget is
+    1e-2), and as close to the Triton kernels' result."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    (ra, rb), (m, n, k) = recipes, shape
+    a, b, sa, sb = quantized_pair(m, n, k, ra, rb, "cuda")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    out_dtype, checked = _check_inputs(a, b, sa, sb, bias, torch.float32)
+    out = _poisoned((m, n), out_dtype, "cuda")
+    plan = plan_mm(a, b, bias, out, "none", False, _gemm_scales(checked, sa, sb, False))
+    assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+    launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
+    ref = reference(a, b, sa, sb, ra, rb, bias)
+    assert rel_error(out, ref) <= 1e-3
+    triton_out = _poisoned((m, n), out_dtype, "cuda")
+    launch_scaled_mm(a, b, sa, sb, bias, triton_out, checked, False, traceable=True)
+    assert rel_error(out, triton_out.double()) <= 1e-3

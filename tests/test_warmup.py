@@ -19,17 +19,20 @@ import pytest
 import torch
 
 import torch_triton_gemm as tg
+from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import tuning, warming
 from torch_triton_gemm.ops import compile_ahead, compile_pool, launcher
 from torch_triton_gemm.ops.compile_ahead import OperandSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPE = torch.float16  # the interpreter's tl.dot is wrong on bf16
+# Calls run where the session's kernels do: CPU tensors in the interpreter, else the GPU.
+DEVICE = "cpu" if tgemm_device.interpreter_enabled() else "cuda"
 TILE = tuning.TileConfig(16, 32, 32, 1, 4, 2)
 PLANS = {
     "heuristic": None,
-    # The interpreter counts 4 SMs: 40 x 48 outputs in 16 x 32 tiles leave a partial wave,
-    # whose tiles split K (a whole-tile launch, a split launch and the reduction).
+    # M x 48 outputs in 16 x 32 tiles are two tiles more than the SMs (see _tail_rows): a
+    # partial wave, whose tiles split K (a whole-tile launch, a split launch and the reduction).
     "portable-tail-split3": tuning.MMPlan("portable", TILE, split_k=3, split_tail=True),
     "tma-split3": tuning.MMPlan("tma", TILE, split_k=3),
 }
@@ -48,8 +51,8 @@ def fresh_pool():
 
 def _operand(rows: int, cols: int, transposed: bool, requires_grad: bool = True
              ) -> torch.Tensor:
-    t = torch.randn(cols, rows, dtype=DTYPE).t() if transposed else torch.randn(
-        rows, cols, dtype=DTYPE)
+    t = torch.randn(cols, rows, dtype=DTYPE, device=DEVICE).t() if transposed else torch.randn(
+        rows, cols, dtype=DTYPE, device=DEVICE)
     return t.detach().requires_grad_(requires_grad)
 
 
@@ -58,13 +61,23 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     launched: list[tuple] = []
     real = launcher.launch_kernel
 
+    # Keyed by device as planned variants are (-1 under the interpreter, else the GPU's index).
+    device = compile_ahead._device_index(torch.device(DEVICE))
+
     def recording(kernel, grid, args, meta, traceable, compiled=None):  # type: ignore[no-untyped-def]
-        launched.append(compile_pool.variant_key(kernel, args, meta, -1))
+        launched.append(compile_pool.variant_key(kernel, args, meta, device))
         return real(kernel, grid, args, meta, traceable, compiled)
 
     monkeypatch.setattr(launcher, "launch_kernel", recording)
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})  # every call is a first call
     return launched
+
+
+def _tail_rows() -> int:
+    """Rows M for which M x 48 outputs in 16 x 32 tiles are the SM count plus two (40 in the
+    interpreter's 4 SMs)."""
+    sms = launcher.num_sms(torch.device(DEVICE))
+    return 16 * (sms // 2 + 1) - 8
 
 
 def _keys(specs: list[compile_ahead.GemmSpec]) -> set[tuple]:
@@ -107,18 +120,21 @@ def test_backward_specs_of_row_major_operands_and_recomputing_activations():
 def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
     """Forward and backward of one product: the variants planned ahead are exactly the ones
     the calls launch (kernel, meta-parameters and every specialised argument)."""
-    M, N, K = 40, 48, 96
+    M, N, K = _tail_rows(), 48, 96
     a = _operand(M, K, layout[0] == "t")
     b = _operand(K, N, layout[1] == "t")
     launched = _record_launches(monkeypatch)
     forced = PLANS[plan]
-    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu", layout)
-    with tuning.force_plan(forced) if forced else _nothing():
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, layout)
+    # The backward in this thread: a forced plan (a context variable) reaches its calls.
+    with tuning.force_plan(forced) if forced else _nothing(), \
+            torch.autograd.set_multithreading_enabled(False):
         expected = _keys(warming.all_specs([spec]))
-        tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE))
+        tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
     assert set(launched) == expected
     kernels = {key[0] for key in expected}
-    assert (launcher.splitk_reduce_kernel in kernels) == (forced is not None)
+    if forced is not None:
+        assert launcher.splitk_reduce_kernel in kernels
     if plan == "portable-tail-split3":  # whole tiles unsplit, the partial wave split
         assert {dict(key[3])["SPLIT"] for key in expected if key[0] is launcher.mm_kernel} == {
             False, True}
@@ -127,10 +143,10 @@ def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
 def test_variants_with_bias_and_a_recomputed_activation(monkeypatch):
     M, N, K = 24, 40, 32
     a, b = _operand(M, K, False), _operand(K, N, True)
-    bias = torch.randn(N, dtype=DTYPE, requires_grad=True)
+    bias = torch.randn(N, dtype=DTYPE, device=DEVICE, requires_grad=True)
     launched = _record_launches(monkeypatch)
-    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu", "nt", bias=True, activation="gelu")
-    tg.mm(a, b, bias, activation="gelu").backward(torch.randn(M, N, dtype=DTYPE))
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, "nt", bias=True, activation="gelu")
+    tg.mm(a, b, bias, activation="gelu").backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
     assert set(launched) == _keys(warming.all_specs([spec]))
 
 
@@ -265,21 +281,21 @@ def _fake_background(monkeypatch: pytest.MonkeyPatch, pool: compile_pool.Compile
 def test_a_first_call_submits_its_kernels_and_its_backward(monkeypatch, fresh_pool):
     M, N, K = 24, 40, 32
     submitted, _ = _fake_background(monkeypatch, fresh_pool)
-    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)
     forward, everything = _keys([spec]), _keys(warming.all_specs([spec]))
     a, b = _operand(M, K, False), _operand(K, N, True)
     out = tg.mm(a, b)
     # Its own kernels before it launched them, its backward's when autograd recorded it.
     assert set(submitted[:len(forward)]) == forward and set(submitted) == everything
     launched = _record_launches(monkeypatch)
-    out.backward(torch.randn(M, N, dtype=DTYPE))
+    out.backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
     assert set(launched) <= everything
     assert set(submitted) == everything  # the backward's first calls submitted nothing new
 
 
 def test_a_launch_waits_for_its_variant_compiling_in_the_pool(monkeypatch, fresh_pool):
     M, N, K = 24, 48, 32
-    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)
     (variant,) = compile_ahead.variants(spec)
     started, release = threading.Event(), threading.Event()
     compiled = []
@@ -303,7 +319,7 @@ def test_a_launch_waits_for_its_variant_compiling_in_the_pool(monkeypatch, fresh
 def test_a_call_nothing_records_submits_no_backward(monkeypatch, fresh_pool):
     M, N, K = 24, 56, 32
     submitted, _ = _fake_background(monkeypatch, fresh_pool)
-    spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)
     a, b = _operand(M, K, False), _operand(K, N, True)
     with torch.no_grad():
         tg.mm(a, b)
@@ -311,7 +327,7 @@ def test_a_call_nothing_records_submits_no_backward(monkeypatch, fresh_pool):
     # A later recorded call of another product does not take the stale one's backward.
     x, w = _operand(8, 16, False), _operand(16, 8, False)
     tg.mm(x, w)
-    other = compile_ahead.linear_spec(8, 8, 16, DTYPE, "cpu", "nn")
+    other = compile_ahead.linear_spec(8, 8, 16, DTYPE, DEVICE, "nn")
     assert set(submitted) == _keys([spec]) | _keys(warming.all_specs([other]))
 
 
@@ -330,6 +346,8 @@ def test_background_compilation_switch(monkeypatch):
     assert not compile_ahead.background_enabled(cuda)
 
 
+@pytest.mark.skipif(not tgemm_device.interpreter_enabled(),
+                    reason="about the interpreter; test_background_compilation_switch covers GPUs")
 def test_background_compilation_is_off_under_the_interpreter():
     assert not compile_ahead.background_enabled(torch.device("cpu"))
     assert not compile_ahead.background_enabled(torch.device("cuda"))
@@ -434,8 +452,9 @@ def test_warmup_covers_a_training_step_under_the_override(monkeypatch, how):
     from torch_triton_gemm.bench.model import TinyLlama, train_step
 
     batch, seq = 2, 8
-    model = TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=48, max_seq=seq)
-    tokens = torch.randint(64, (batch, seq + 1))
+    model = TinyLlama(vocab=64, hidden=32, heads=2, layers=1, intermediate=48,
+                      max_seq=seq).to(DEVICE)
+    tokens = torch.randint(64, (batch, seq + 1), device=DEVICE)
     if how == "tokens":
         specs = warming.model_specs(model, tokens=batch * seq)
     else:

@@ -4,6 +4,7 @@
     python -m torch_triton_gemm.bench --quick           # a representative subset, bf16
     python -m torch_triton_gemm.bench --suite grouped,scaled
     python -m torch_triton_gemm.bench --suite moe          # moe_mlp vs the unfused MoE MLP
+    python -m torch_triton_gemm.bench --suite sgrouped     # fp8 scaled_grouped_mm, sm_90+
     python -m torch_triton_gemm.bench --suite sweep --seed 1 --count 400 --plot sweep.png
     python -m torch_triton_gemm.bench --suite classes --inductor   # + Inductor's Triton GEMMs
     python -m torch_triton_gemm.bench --list            # the suites and their rows; no GPU
@@ -22,6 +23,7 @@ Modules, in the order a run uses them:
     gemm.py       the mm suites (with --inductor, a compiled peer) and the host-latency suite
     grouped.py    grouped_mm vs torch._grouped_mm and a loop of torch.mm
     scaled.py     scaled_mm vs torch._scaled_mm, with the fp8 quantization of the inputs
+    sgrouped.py   scaled_grouped_mm vs torch._scaled_grouped_mm (rowwise fp8 MoE experts)
     moe.py        moe_mlp vs the unfused torch._grouped_mm MoE MLP, with peak memory
     e2e.py        Llama-block step time, and cold start in fresh processes
     coldstart.py  the program each cold-start process runs

@@ -27,8 +27,8 @@ from .timing import TimingSettings
 DTYPE_NAMES = ("bf16", "fp16")
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 # The dtypes of the suites that do not follow --dtypes.
-_FIXED_DTYPES = {"grouped": "bf16", "scaled": "fp8 e4m3 -> bf16", "moe": "bf16", "e2e": "bf16",
-                 "coldstart": "bf16"}
+_FIXED_DTYPES = {"grouped": "bf16", "scaled": "fp8 e4m3 -> bf16",
+                 "sgrouped": "fp8 e4m3 -> bf16", "moe": "bf16", "e2e": "bf16", "coldstart": "bf16"}
 
 
 def _parse_names(text: str, allowed: Sequence[str], what: str,
@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 
 def _suite_help() -> str:
-    lines = ["suites (default: every one but grouped, scaled, moe, classes and sweep):"]
+    lines = ["suites (default: every one but grouped, scaled, sgrouped, moe, classes and sweep):"]
     lines += [f"  {name:<10} {suites.SUITE_DESCRIPTIONS[name]}" for name in suites.ALL_SUITES]
     lines.append("  " + "; ".join(f"{group} = {', '.join(names)}" if group == "mm" else
                                   f"{group}: {len(names)} suites"
@@ -198,10 +198,17 @@ def _cases_text(args: argparse.Namespace) -> str:
             ("grouped", "form", "routing", "G", "T", "N", "K", "empty groups"), rows,
             {"grouped", "form", "routing"}))
     if "scaled" in args.suite:
-        rows = [[c.name, str(c.m), str(c.n), str(c.k), c.recipe]
+        rows = [[c.name, str(c.m), str(c.n), str(c.k), c.recipe, c.accumulation]
                 for c in suites.scaled_cases(args.quick)]
-        parts.append(report.format_table(("scaled", "M", "N", "K", "recipe"), rows,
-                                         {"scaled", "recipe"}))
+        parts.append(report.format_table(("scaled", "M", "N", "K", "recipe", "accum"), rows,
+                                         {"scaled", "recipe", "accum"}))
+    if "sgrouped" in args.suite:
+        rows = [[c.name, c.proj, c.routing, c.accum, str(c.groups), str(c.tokens), str(c.n),
+                 str(c.k), str(sum(size == 0 for size in c.group_sizes()))]
+                for c in suites.sgrouped_cases(args.quick)]
+        parts.append(report.format_table(
+            ("sgrouped", "proj", "routing", "accum", "G", "T", "N", "K", "empty groups"), rows,
+            {"sgrouped", "proj", "routing", "accum"}))
     if "moe" in args.suite:
         rows = [[c.name, c.form, str(c.experts), str(c.top_k), str(c.hidden), str(c.inter),
                  str(c.tokens)] for c in suites.moe_cases(args.quick)]
@@ -259,7 +266,7 @@ def _print_new_sections(results: RunResults, printed: set[str]) -> None:
 def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
     """Run the selected suites in order, printing each table when its suite is done."""
     # Imported here: they are only needed on a GPU.
-    from . import e2e, gemm, grouped, moe, scaled
+    from . import e2e, gemm, grouped, moe, scaled, sgrouped
 
     settings = settings_from(args)
     results = RunResults()
@@ -283,6 +290,8 @@ def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
              results.grouped),
             ("scaled", scaled, scaled.run_scaled, suites.scaled_cases(args.quick),
              results.scaled),
+            ("sgrouped", sgrouped, sgrouped.run_sgrouped, suites.sgrouped_cases(args.quick),
+             results.sgrouped),
             ("moe", moe, moe.run_moe, suites.moe_cases(args.quick), results.moe)):
         if name not in args.suite:
             continue

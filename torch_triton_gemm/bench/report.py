@@ -182,7 +182,7 @@ def grouped_section(results: Sequence[GemmResult]) -> Section:
                    _gemm_issues(results))
 
 
-SCALED_HEADERS = ("name", "M", "N", "K", "recipe", "tgemm TFLOP/s", "torch TFLOP/s",
+SCALED_HEADERS = ("name", "M", "N", "K", "recipe", "accum", "tgemm TFLOP/s", "torch TFLOP/s",
                   "ratio kernel", "ratio eager", "rel err")
 
 
@@ -190,14 +190,43 @@ def scaled_section(results: Sequence[GemmResult]) -> Section:
     rows = []
     for r in results:
         c = r.case
-        rows.append([c.name, str(c.m), str(c.n), str(c.k), c.recipe,
+        rows.append([c.name, str(c.m), str(c.n), str(c.k), c.recipe, c.accumulation,
                      fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
                      fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
                      _err_cells(r)[0]])
     title = ("scaled: scaled_mm (float8_e4m3fn -> bf16) vs torch._scaled_mm (n/a: this torch "
-             "cannot run the recipe); rel err vs the dequantized operands' fp32 product")
-    return Section(title, SCALED_HEADERS, rows, frozenset({"name", "recipe"}),
+             "cannot run the recipe), both with the row's accumulation (precise: "
+             "use_fast_accum=False); rel err vs the dequantized operands' fp32 product")
+    return Section(title, SCALED_HEADERS, rows, frozenset({"name", "recipe", "accum"}),
                    _gemm_issues(results))
+
+
+SGROUPED_HEADERS = ("name", "proj", "routing", "accum", "G", "T", "N", "K", "tgemm TFLOP/s",
+                    "torch TFLOP/s", "ratio kernel", "ratio eager", "rel err", "vs torch")
+
+
+def _peer_cell(r: GemmResult) -> str:
+    """How tgemm's output compares with the peer's: "bitwise" where equal, else the relative
+    difference ("n/a" where the peer did not run)."""
+    if r.error or r.peer_equal is None:
+        return "" if r.error else "n/a"
+    return "bitwise" if r.peer_equal else _fmt(r.peer_diff, ".2e")
+
+
+def sgrouped_section(results: Sequence[GemmResult]) -> Section:
+    rows = []
+    for r in results:
+        c = r.case
+        rows.append([c.name, c.proj, c.routing, c.accum, str(c.groups), str(c.tokens), str(c.n),
+                     str(c.k), fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
+                     fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
+                     _err_cells(r)[0], _peer_cell(r)])
+    title = ("sgrouped: scaled_grouped_mm (rowwise float8_e4m3fn -> bf16, 2-D x 3-D, T routed "
+             "rows) vs torch._scaled_grouped_mm with the same use_fast_accum (accum: fp32 = "
+             "False, fast = True); rel err: worst sampled expert vs the dequantized fp64 "
+             "product; vs torch: ||out - torch|| / ||torch||, or bitwise equal")
+    return Section(title, SGROUPED_HEADERS, rows,
+                   frozenset({"name", "proj", "routing", "accum"}), _gemm_issues(results))
 
 
 MOE_HEADERS = ("name", "form", "E", "k", "H", "I", "T", "tgemm TFLOP/s", "torch TFLOP/s",
@@ -264,6 +293,8 @@ def sections(results: RunResults) -> list[Section]:
         out.append(grouped_section(results.grouped))
     if results.scaled:
         out.append(scaled_section(results.scaled))
+    if results.sgrouped:
+        out.append(sgrouped_section(results.sgrouped))
     if results.moe:
         out.append(moe_section(results.moe))
     if results.e2e is not None:
@@ -330,9 +361,13 @@ def summary_rows(results: RunResults) -> list[list[str]]:
     if results.grouped:
         rows.append(_summary_row("grouped vs torch", "bf16", results.grouped))
         rows.append(_summary_row("grouped vs loop", "bf16", results.grouped, peer="loop"))
-    by_recipe = _grouped_by(results.scaled, lambda r: (r.case.recipe, r.dtype))
+    by_recipe = _grouped_by(results.scaled, lambda r: (
+        r.case.recipe + (" fast" if r.case.fast else ""), r.dtype))
     rows += [_summary_row(f"scaled {recipe}", dtype, group)
              for (recipe, dtype), group in by_recipe.items()]
+    by_accum = _grouped_by(results.sgrouped, lambda r: r.case.accum)
+    rows += [_summary_row(f"sgrouped accum={accum}", "fp8", group)
+             for accum, group in by_accum.items()]
     if results.moe:
         rows.append(_summary_row("moe vs torch", "bf16", results.moe))
     return rows
@@ -366,7 +401,8 @@ def summary_lines(results: RunResults) -> list[str]:
                     else f" ({fmt_times(safe_ratio(r.first_step_s, plain))})")
                  for r in results.coldstart]
         lines.append("coldstart first step: " + ", ".join(parts))
-    gemm_rows = [*results.mm, *results.grouped, *results.scaled, *results.moe]
+    gemm_rows = [*results.mm, *results.grouped, *results.scaled, *results.sgrouped,
+                 *results.moe]
     worst = _worst(gemm_rows, "torch")
     if worst is not None:
         lines.append(f"worst row (kernel-only, vs torch): {worst.label()} "
@@ -384,7 +420,8 @@ LEGEND = (
     "TFLOP/s and GB/s are kernel-only; GB/s = (M*K + K*N + M*N) * bytes / time, on "
     "memory-bound rows",
     "rel err = ||out - ref|| / ||ref|| against: fp64, a float64 product; torch, torch.mm's "
-    "output (agreement, not error); fp32, fp32 products; fp32 deq, the dequantized product",
+    "output (agreement, not error); fp32, fp32 products; fp32 deq (fp64 deq), the "
+    "dequantized product in fp32 (fp64)",
     "inductor (--inductor): torch.mm compiled by Inductor with Triton GEMM templates only; "
     "its ratios are Inductor speed / torch speed",
 )

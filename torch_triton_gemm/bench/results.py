@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .suites import Case, GroupedCase, MoECase, ScaledCase
+from .suites import Case, GroupedCase, MoECase, ScaledCase, ScaledGroupedCase
 
-AnyCase = Case | GroupedCase | ScaledCase | MoECase
+AnyCase = Case | GroupedCase | ScaledCase | ScaledGroupedCase | MoECase
 
 # Implementations a GEMM row may time: tgemm, the torch peer (torch.mm, torch._grouped_mm,
 # torch._scaled_mm), for grouped rows a Python loop of torch.mm, and for mm rows with
@@ -42,6 +42,10 @@ class GemmResult:
     error: str = ""
     note: str = ""
     peak_mib: dict[str, float] = field(default_factory=dict)  # memory a call adds (moe rows)
+    # tgemm's output against the torch peer's, where a row compares them (sgrouped rows):
+    # ||out - peer|| / ||peer||, and whether the two are bitwise equal.
+    peer_diff: float = math.nan
+    peer_equal: bool | None = None
 
     def time_ms(self, impl: str = "tgemm", kind: str = "kernel") -> float:
         """ms per call of ``impl``, ``kind`` "kernel" (kernel-only) or "eager"."""
@@ -92,6 +96,8 @@ class GemmResult:
             row["torch_gbps"] = self.gbps("torch")
         for impl, mib in self.peak_mib.items():
             row[f"{impl}_peak_mib"] = mib
+        if self.peer_equal is not None:
+            row.update(torch_diff=self.peer_diff, torch_bitwise_equal=self.peer_equal)
         row.update(rel_err=self.rel_err, err_vs=self.err_vs, first_call_s=self.first_call_s,
                    error=self.error, note=self.note)
         return row
@@ -173,6 +179,7 @@ class RunResults:
     latency: list[LatencyResult] = field(default_factory=list)
     grouped: list[GemmResult] = field(default_factory=list)
     scaled: list[GemmResult] = field(default_factory=list)
+    sgrouped: list[GemmResult] = field(default_factory=list)
     moe: list[GemmResult] = field(default_factory=list)
     e2e: E2EResult | None = None
     coldstart: list[ColdStartResult] = field(default_factory=list)
@@ -181,7 +188,7 @@ class RunResults:
     def records(self) -> list[dict[str, object]]:
         """Every row as CSV fields, in report order."""
         rows = [r.record() for r in (*self.mm, *self.latency, *self.grouped, *self.scaled,
-                                      *self.moe)]
+                                      *self.sgrouped, *self.moe)]
         if self.e2e is not None:
             rows.append(self.e2e.record())
         rows += [r.record() for r in self.coldstart]

@@ -20,6 +20,7 @@ dequantized operands.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -88,13 +89,13 @@ def make_inputs(case: ScaledCase, device: torch.device | str) -> tuple[
 
 
 def _tgemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-           scale_b: torch.Tensor) -> torch.Tensor:
-    return tg.scaled_mm(a, b, scale_a, scale_b, out_dtype=OUT_DTYPE)
+           scale_b: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    return tg.scaled_mm(a, b, scale_a, scale_b, out_dtype=OUT_DTYPE, use_fast_accum=fast)
 
 
 def _torch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-           scale_b: torch.Tensor) -> torch.Tensor:
-    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=OUT_DTYPE)
+           scale_b: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=OUT_DTYPE, use_fast_accum=fast)
 
 
 def measure_scaled(case: ScaledCase, settings: TimingSettings,
@@ -102,13 +103,14 @@ def measure_scaled(case: ScaledCase, settings: TimingSettings,
     """Time tgemm.scaled_mm and torch._scaled_mm (when it supports the recipe) on the same
     quantized operands; check tgemm against the dequantized fp32 product."""
     args, ref = make_inputs(case, device)
-    out, first_s = first_call(lambda: _tgemm(*args))
+    tgemm_fn, torch_fn = (functools.partial(fn, fast=case.fast) for fn in (_tgemm, _torch))
+    out, first_s = first_call(lambda: tgemm_fn(*args))
     rel_err = relative_error(out, ref)
     del out, ref
-    fns = {"tgemm": _tgemm, "torch": _torch}
+    fns = {"tgemm": tgemm_fn, "torch": torch_fn}
     notes = []
     try:
-        _torch(*args)
+        torch_fn(*args)
     except Exception as exc:  # e.g. blockwise scales on an older torch or cuBLAS
         notes.append(f"torch._scaled_mm n/a ({short_error(exc)})")
         del fns["torch"]

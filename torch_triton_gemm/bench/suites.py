@@ -18,7 +18,7 @@ MM_SUITES = ("square", "llama", "layouts", "decode", "odd", "deepk", "shallowk")
 DEFAULT_SUITES = (*MM_SUITES, "latency", "e2e", "coldstart")
 # mm suites that judge the planner on shapes nobody tuned for; long, so they run when named.
 PLANNER_SUITES = ("classes", "sweep")
-ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", "moe", *PLANNER_SUITES)
+ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", "sgrouped", "moe", *PLANNER_SUITES)
 # Names that stand for several suites on the command line.
 SUITE_GROUPS = {"mm": MM_SUITES, "default": DEFAULT_SUITES, "all": ALL_SUITES}
 
@@ -34,7 +34,10 @@ SUITE_DESCRIPTIONS = {
     "e2e": "step time of Llama blocks (bf16, fwd+bwd), plain vs override()",
     "coldstart": "first training step of the drop-in example's model in fresh processes",
     "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
-    "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes",
+    "scaled": "scaled_mm (fp8 e4m3 -> bf16) vs torch._scaled_mm, three scaling recipes, "
+              "precise and fast accumulation",
+    "sgrouped": "scaled_grouped_mm (rowwise fp8 e4m3 -> bf16) vs torch._scaled_grouped_mm, both "
+                "accumulation modes (Mixtral, DeepSeek-V3-like experts)",
     "moe": "moe_mlp vs the unfused torch._grouped_mm MoE MLP (Mixtral, Qwen3-MoE), with peak "
            "memory",
     "classes": "named shapes the planner finds hard: near1000, overwave, near3000, decode32, "
@@ -449,7 +452,13 @@ SCALED_RECIPES = {
     "blockwise": "a: one scale per 1x128 block; b: one per 128x128 block of the [N, K] weight",
 }
 SCALED_SQUARE_SIZES = (4096, 8192)
-SCALED_LLAMA_MS = (16, 2048, 8192)
+SCALED_LLAMA_MS = (16, 128, 2048, 8192)
+# A wide MLP projection (4096 tokens, intermediate 18944, hidden 3584).
+SCALED_EXTRA_SHAPES = ((4096, 18944, 3584),)
+# Accumulation modes timed per recipe (use_fast_accum, each side the same): blockwise scales
+# apply at every K step, so it has no fast mode.
+SCALED_ACCUMULATION = {"tensorwise": (False, True), "rowwise": (False, True),
+                       "blockwise": (False,)}
 # (suite-local name, M, N, K)
 QUICK_SCALED_SHAPES = (("4096^3", 4096, 4096, 4096), ("qkv", 16, 6144, 4096),
                        ("gate_up", 2048, 28672, 4096))
@@ -464,6 +473,7 @@ class ScaledCase:
     n: int
     k: int
     recipe: str  # a key of SCALED_RECIPES
+    fast: bool = False  # use_fast_accum on both sides
     suite: str = "scaled"
 
     @property
@@ -476,21 +486,107 @@ class ScaledCase:
 
     def label(self) -> str:
         where = f" M={self.m}" if self.name != _shape_name(self.m, self.n, self.k) else ""
-        return f"scaled {self.name}{where} {self.recipe}"
+        return f"scaled {self.name}{where} {self.recipe}{' fast' if self.fast else ''}"
+
+    @property
+    def accumulation(self) -> str:
+        return "fast" if self.fast else "precise"
 
     def record(self) -> dict[str, object]:
-        return {"M": self.m, "N": self.n, "K": self.k, "recipe": self.recipe}
+        return {"M": self.m, "N": self.n, "K": self.k, "recipe": self.recipe,
+                "accum": self.accumulation}
 
 
 def scaled_cases(quick: bool = False) -> list[ScaledCase]:
-    """The scaled suite in run order: every shape with each recipe."""
+    """The scaled suite in run order: every shape with each recipe and its accumulation modes
+    (--quick: precise only)."""
     if quick:
         shapes = list(QUICK_SCALED_SHAPES)
     else:
         shapes = [(_shape_name(s, s, s), s, s, s) for s in SCALED_SQUARE_SIZES]
+        shapes += [(_shape_name(m, n, k), m, n, k) for m, n, k in SCALED_EXTRA_SHAPES]
         shapes += [(name, m, n, k) for m in SCALED_LLAMA_MS for name, n, k in LLAMA_LAYERS]
-    return [ScaledCase(name, m, n, k, recipe)
-            for name, m, n, k in shapes for recipe in SCALED_RECIPES]
+    return [ScaledCase(name, m, n, k, recipe, fast)
+            for name, m, n, k in shapes for recipe in SCALED_RECIPES
+            for fast in (SCALED_ACCUMULATION[recipe][:1] if quick
+                         else SCALED_ACCUMULATION[recipe])]
+
+
+# --- scaled_grouped_mm suite --------------------------------------------------------------------
+
+# Expert GEMMs of Mixtral-8x7B and of a DeepSeek-V3-like MoE: experts G, top-k, hidden H, expert
+# FFN I, and the token counts (routed rows = tokens * top-k). Mixtral's follow the MoE rows of
+# the benchmark shape list; the DeepSeek-like rows route 1024 tokens (8192 rows, 32 per expert
+# when balanced: few rows per expert, as at inference batch sizes).
+SGROUPED_MODELS = {
+    "mixtral": dict(groups=8, top_k=2, hidden=4096, inter=14336, tokens=(4096, 16384)),
+    "deepseek": dict(groups=256, top_k=8, hidden=7168, inter=2048, tokens=(1024,)),
+}
+QUICK_SGROUPED = {"mixtral": ((4096,), ("balanced",)), "deepseek": ((1024,), ("skewed",))}
+# The two products of a SwiGLU expert as (N, K) of hidden H and FFN I: gate and up fused, then
+# down.
+SGROUPED_PROJECTIONS = {"gate_up": lambda h, i: (2 * i, h), "down": lambda h, i: (h, i)}
+ROUTINGS = ("balanced", "skewed")
+ACCUM_MODES = (False, True)  # use_fast_accum
+
+
+@dataclass(frozen=True)
+class ScaledGroupedCase:
+    """One rowwise-fp8 grouped GEMM, 2-D x 3-D: ``tokens`` routed rows of a [T, K] e4m3 with
+    scale_a [T], split by offs over ``groups`` experts whose weights [G, N, K] e4m3 are passed
+    transposed, with scale_b [G, N]; bf16 out [T, N]."""
+
+    name: str  # a key of SGROUPED_MODELS
+    proj: str  # a key of SGROUPED_PROJECTIONS
+    groups: int
+    tokens: int  # routed rows: tokens * top-k
+    n: int
+    k: int
+    routing: str  # "balanced" or "skewed"
+    fast_accum: bool  # use_fast_accum, the same for tgemm and torch
+    suite: str = "sgrouped"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.tokens * self.n * self.k
+
+    @property
+    def memory_bound(self) -> bool:
+        return False
+
+    @property
+    def accum(self) -> str:
+        """The accumulation mode as a short word: "fast" or "fp32"."""
+        return "fast" if self.fast_accum else "fp32"
+
+    def group_sizes(self) -> list[int]:
+        """Rows per expert, in expert order (multiples of GROUP_ALIGN, summing to ``tokens``)."""
+        if self.routing == "balanced":
+            return balanced_sizes(self.tokens, self.groups)
+        return skewed_sizes(self.tokens, self.groups)
+
+    def label(self) -> str:
+        return (f"sgrouped {self.name} {self.proj} {self.routing} T={self.tokens} "
+                f"accum={self.accum}")
+
+    def record(self) -> dict[str, object]:
+        return {"proj": self.proj, "routing": self.routing, "G": self.groups, "T": self.tokens,
+                "N": self.n, "K": self.k, "fast_accum": self.fast_accum}
+
+
+def sgrouped_cases(quick: bool = False) -> list[ScaledGroupedCase]:
+    """The sgrouped suite in run order: per model and token count, each projection with each
+    routing, in both accumulation modes (adjacent rows)."""
+    cases = []
+    for name, model in SGROUPED_MODELS.items():
+        tokens, routings = QUICK_SGROUPED[name] if quick else (model["tokens"], ROUTINGS)
+        for t in tokens:
+            for proj, shape in SGROUPED_PROJECTIONS.items():
+                n, k = shape(model["hidden"], model["inter"])
+                cases += [ScaledGroupedCase(name, proj, model["groups"], t * model["top_k"], n,
+                                            k, routing, fast)
+                          for routing in routings for fast in ACCUM_MODES]
+    return cases
 
 
 # --- counts for --list --------------------------------------------------------------------------
@@ -511,6 +607,8 @@ def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -
         return len(grouped_cases(quick))
     if suite == "scaled":
         return len(scaled_cases(quick))
+    if suite == "sgrouped":
+        return len(sgrouped_cases(quick))
     if suite == "moe":
         return len(moe_cases(quick))
     if suite == "e2e":

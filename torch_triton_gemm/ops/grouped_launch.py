@@ -22,6 +22,7 @@ import torch
 
 from .. import device as _device
 from .. import tuning
+from ..kernels import wgmma_fp8
 from ..kernels.grouped import grouped_mm_kernel
 from .checks import check, check_operand_pair, check_value, input_precision
 from .launcher import launch_kernel, num_sms
@@ -308,6 +309,7 @@ class GroupedLaunch(NamedTuple):
     meta: dict[str, Any]
     tma: bool
     compiled: dict[Any, Any] | None = None
+    kernel: Any = None  # grouped_mm_kernel, or Hopper's precise fp8 kernel
 
 
 # Scale strides and (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM) of an unscaled product.
@@ -399,9 +401,47 @@ def run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
     directly instead of through ``wrap_triton``, for plain eager calls that nothing traces."""
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
-    launch_kernel(grouped_mm_kernel, launch.grid,
+    launch_kernel(launch.kernel or grouped_mm_kernel, launch.grid,
                   (a, b, out, bias, offs, scale_a, scale_b, rows, row_weights, *launch.args),
                   launch.meta, traceable, launch.compiled)
+
+
+def prepare_fp8_grouped_precise(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                                bias: torch.Tensor | None, out: torch.Tensor,
+                                scales: GroupedScales | None) -> GroupedLaunch | None:
+    """The launch of Hopper's warp-specialized precise fp8 kernel (kernels/wgmma_fp8.py) for an
+    eager 2-D a x 3-D b product with rowwise scales and ``use_fast_accum=False``, or None where
+    it does not apply: another form or recipe, no sm_90 GPU or no Gluon, operands not
+    K-contiguous with TMA-aligned pitches (b's groups dense: one [G * N, K] descriptor), an
+    output TMA cannot store, groups too small (``tuning.fp8_grouped_precise_tile``). Known
+    sizes only (real tensors, or fake ones with concrete shapes)."""
+    if (scales is None or scales.mode != "outer" or scales.fast_accum or offs is None
+            or a.dim() != 2 or b.dim() != 3 or not wgmma_fp8.AVAILABLE
+            or a.device.type != "cuda" or _device.interpreter_enabled()
+            or not torch.cuda.is_available() or _device.capability(a.device) != (9, 0)):
+        return None
+    (M, K), (G, _, N) = a.shape, b.shape
+    if any(type(x) is not int for x in (M, K, G, N, *a.stride(), *b.stride(), *out.stride())):
+        return None
+    if not (a.stride(1) == 1 and a.stride(0) % 16 == 0 and b.stride(1) == 1
+            and b.stride(2) % 16 == 0 and b.stride(0) == N * b.stride(2)
+            and out.stride(1) == 1 and out.stride(0) * out.element_size() % 16 == 0
+            and base_aligned(a) and base_aligned(b) and base_aligned(out) and G > 0):
+        return None
+    tile = tuning.fp8_grouped_precise_tile(M, N, G, num_sms(a.device), out.element_size())
+    if tile is None:
+        return None
+    consumers = tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
+    sa_g, sa_m, _, sb_g, _, sb_n = scales.strides
+    stride_bias_g, stride_bias_n = Problem("m", a, b, out, offs, bias).bias_strides
+    args = (G, M, N, K, a.stride(0), b.stride(2), out.stride(0), stride_bias_g, stride_bias_n,
+            sa_m, sb_g, sb_n, bias is not None)
+    meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
+            "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
+            "num_warps": 4}
+    grid = (min(num_sms(a.device), _tile_bound("m", G, M, N, tile.block_m, tile.block_n,
+                                               False)),)
+    return GroupedLaunch(grid, args, meta, True, kernel=wgmma_fp8.fp8_grouped_precise_kernel)
 
 
 def choose_tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,

@@ -21,6 +21,7 @@ from torch.library import wrap_triton
 
 from .. import device as _device
 from .. import tuning
+from ..kernels import wgmma_fp8
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from .checks import check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, variant_key
@@ -93,6 +94,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                    out: torch.Tensor, activation: str, traceable: bool,
                    plan: tuning.MMPlan, scales: GemmScales | None) -> PreparedLaunch:
     """Work out the launch of ``plan`` (see ``launch_mm``); M and N are non-zero."""
+    if plan.kernel == tuning.FP8_PRECISE_KERNEL:
+        return _prepare_fp8_precise(a, b, bias, out, plan, scales)
     device = a.device
     M, K = a.shape
     N = b.shape[1]
@@ -183,12 +186,37 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                           None if pads == (None, None) else pads, locks_shape=locks, plan=plan)
 
 
+def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                         out: torch.Tensor, plan: tuning.MMPlan,
+                         scales: GemmScales | None) -> PreparedLaunch:
+    """The launch of Hopper's warp-specialized precise fp8 kernel (a plan of
+    ``tuning.fp8_precise_plan``, for operands the planner found it can read): one persistent
+    program per SM, the scales read through their strides (tensorwise, rowwise, blockwise)."""
+    check(scales is not None and wgmma_fp8.AVAILABLE and (
+              scales.mode == "outer" or scales.mode == "block" and scales.b_cols == 128),
+          lambda: f"tgemm: the {plan.kernel} kernel runs tensorwise, rowwise and 128x128-block "
+                  f"scaled fp8 products")
+    (M, K), N = a.shape, b.shape[1]
+    tile = plan.tile
+    consumers = tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
+    programs = min(num_sms(a.device), tuning.output_tiles(M, N, tile))
+    runtime_args = (M, N, K, a.stride(0), b.stride(1), out.stride(0),
+                    bias.stride(0) if bias is not None else 0, *scales.strides,
+                    bias is not None, scales.mode == "block", scales.a_rows)
+    meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
+            "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
+            "num_warps": 4}
+    return PreparedLaunch(wgmma_fp8.fp8_precise_kernel, (((programs,), meta, runtime_args),),
+                          None, None, plan=plan)
+
+
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
                scale_b: torch.Tensor | None, traceable: bool) -> None:
     """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
     are the scales of a prepared scaled product, else None."""
-    if prepared.kernel is mm_tma_kernel:
+    if prepared.kernel is mm_tma_kernel or prepared.plan is not None and (
+            prepared.plan.kernel == tuning.FP8_PRECISE_KERNEL):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if prepared.pads is not None:
         pad_a, pad_b = prepared.pads

@@ -16,8 +16,9 @@ import torch
 
 from .. import device as _device
 from .. import plan_cache, plan_model, tuning
+from ..kernels import wgmma_fp8
 from .launcher import GemmScales, num_sms
-from .operands import kernel_operands, layout_key
+from .operands import base_aligned, kernel_operands, layout_key
 
 
 def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -30,6 +31,12 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     (M, K), N = a.shape, b.shape[1]
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
+    # Inductor re-parses the kernels a traced launch names, and cannot parse Gluon: a traced
+    # call that this plan suits goes through an opaque op instead (ops/scaled_mm.py).
+    if scales is not None and not traceable:
+        plan = fp8_precise_plan(a, b, out, scales)
+        if plan is not None:
+            return plan
     tma_args, pads, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
     # TMA reads the operands as they are when it needs no padded copies (where the GPU has no
     # TMA, the plan model offers no TMA plans and this is not asked).
@@ -37,6 +44,36 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
                  (aligned, _narrow(a, b), a.stride(0) == 1 and a.stride(1) != 1 and M > 1))
+
+
+def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                     scales: GemmScales) -> tuning.MMPlan | None:
+    """The plan of Hopper's warp-specialized fp8 kernel for this scaled product (known sizes),
+    or None where that kernel does not run it (see ``_fp8_precise_applies`` and
+    ``tuning.fp8_precise_plan``)."""
+    if not _fp8_precise_applies(a, b, out, scales):
+        return None
+    return tuning.fp8_precise_plan(a.shape[0], b.shape[1], num_sms(a.device),
+                                   out.element_size())
+
+
+def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                         scales: GemmScales) -> bool:
+    """Whether Hopper's warp-specialized precise fp8 kernel can run this product: tensorwise or
+    rowwise scales without fast accumulation, or blockwise ones with 128x128 blocks for b, on an
+    sm_90 GPU, fp8 operands both contiguous along K (b as ``W.t()``), TMA-aligned pitches and
+    pointers, and a row-major output. A forced plan (tests, tuning) wins."""
+    precise = scales.mode == "outer" and not scales.fast_accum
+    blockwise = scales.mode == "block" and scales.b_cols == 128
+    if (not (precise or blockwise) or a.element_size() != 1
+            or not wgmma_fp8.AVAILABLE or tuning.forced_plan() is not None
+            or a.device.type != "cuda" or _device.interpreter_enabled()
+            or not torch.cuda.is_available() or _device.capability(a.device) != (9, 0)):
+        return False
+    return (all(base_aligned(t) for t in (a, b, out))
+            and a.stride(1) == 1 and b.stride(0) == 1 and out.stride(1) == 1
+            and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
+            and (out.stride(0) * out.element_size()) % 16 == 0)
 
 
 def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:

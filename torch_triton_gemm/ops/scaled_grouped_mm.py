@@ -65,6 +65,7 @@ from .grouped_launch import (
     check_grouping,
     check_offs_values,
     out_shape,
+    prepare_fp8_grouped_precise,
     prepare_grouped_launch,
     run_grouped_launch,
 )
@@ -202,10 +203,33 @@ def _scaled_grouped_mm_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Ten
     form, out_dtype, scales = _check_inputs(a, b, scale_a, scale_b, offs, bias, scale_result,
                                             out_dtype, use_fast_accum)
     out = a.new_empty(out_shape(form, a, b, offs), dtype=out_dtype)
+    # Inductor re-parses the Triton kernels a graph launches and cannot parse Gluon: products
+    # that Hopper's precise kernel takes go through an opaque op that launches it.
+    if prepare_fp8_grouped_precise(a, b, offs, bias, out, scales) is not None:
+        return torch.ops.tgemm._scaled_grouped_mm_hopper(a, b, scale_a, scale_b, offs, bias,
+                                                         out_dtype)
     if offs is not None:
         check_offs_values(OP, a, b, offs)
     launch_scaled_grouped_mm(a, b, scales, offs, bias, out, traceable=True)
     return out
+
+
+@torch.library.custom_op("tgemm::_scaled_grouped_mm_hopper", mutates_args=())
+def _scaled_grouped_mm_hopper(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                              scale_b: torch.Tensor, offs: torch.Tensor,
+                              bias: torch.Tensor | None,
+                              out_dtype: torch.dtype) -> torch.Tensor:
+    """tgemm::scaled_grouped_mm's traced calls that run on Hopper's precise fp8 kernel, opaque
+    to tracing; the eager call's checks and launch."""
+    return _scaled_grouped_mm_eager(a, b, scale_a, scale_b, offs, bias, None, out_dtype, False)
+
+
+@_scaled_grouped_mm_hopper.register_fake
+def _scaled_grouped_mm_hopper_fake(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                                   scale_b: torch.Tensor, offs: torch.Tensor,
+                                   bias: torch.Tensor | None,
+                                   out_dtype: torch.dtype) -> torch.Tensor:
+    return _scaled_grouped_mm_fake(a, b, scale_a, scale_b, offs, bias, None, out_dtype, False)
 
 
 def launch_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scales: GroupedScales,
@@ -240,7 +264,8 @@ def _scaled_grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
         form, out_dtype_checked, scales = _check_inputs(a, b, scale_a, scale_b, offs, bias,
                                                         scale_result, out_dtype, use_fast_accum)
         out = a.new_empty(out_shape(form, a, b, offs), dtype=out_dtype_checked)
-        launch = prepare_grouped_launch(OP, a, b, offs, bias, out, False, None, scales)
+        launch = (prepare_fp8_grouped_precise(a, b, offs, bias, out, scales)
+                  or prepare_grouped_launch(OP, a, b, offs, bias, out, False, None, scales))
         return out, None if launch is None else launch._replace(compiled={})
 
     signature = (OP, tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b),

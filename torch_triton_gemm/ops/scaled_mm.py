@@ -73,7 +73,7 @@ from .launcher import (
     run_kept,
     tensor_key,
 )
-from .planner import plan_mm
+from .planner import fp8_precise_plan, plan_mm
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPE = torch.float4_e2m1fn_x2
@@ -246,8 +246,47 @@ def _scaled_mm_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                     scale_b: torch.Tensor, bias: torch.Tensor | None = None,
                     out_dtype: torch.dtype | None = None,
                     use_fast_accum: bool = False) -> torch.Tensor:
+    if _runs_on_hopper_kernel(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum):
+        return torch.ops.tgemm._scaled_mm_hopper(a, b, scale_a, scale_b, bias, out_dtype,
+                                                  use_fast_accum)
     return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                 traceable=True)
+
+
+def _runs_on_hopper_kernel(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                           scale_b: torch.Tensor, bias: torch.Tensor | None,
+                           out_dtype: torch.dtype | None, use_fast_accum: bool) -> bool:
+    """Whether a traced call runs on Hopper's warp-specialized Gluon kernel (known sizes and a
+    product its plan takes): Inductor re-parses the Triton kernels a graph launches and cannot
+    parse Gluon, so such calls go through the opaque ``tgemm::_scaled_mm_hopper``."""
+    out_dtype, recipe = _check_inputs(a, b, scale_a, scale_b, bias, out_dtype)
+    M, N = a.shape[0], b.shape[1]
+    if (recipe.scaling not in ("outer", "block") or type(M) is not int or type(N) is not int
+            or type(a.shape[1]) is not int or M == 0 or N == 0
+            or _device.interpreter_enabled()):
+        return False
+    out = a.new_empty((M, N), dtype=out_dtype)
+    scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
+    return fp8_precise_plan(a, b, out, scales) is not None
+
+
+@torch.library.custom_op("tgemm::_scaled_mm_hopper", mutates_args=())
+def _scaled_mm_hopper(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, use_fast_accum: bool) -> torch.Tensor:
+    """tgemm::scaled_mm's traced calls that run on Hopper's warp-specialized kernel, opaque to
+    tracing (see ``_runs_on_hopper_kernel``); the same checks, plan and launch as an eager
+    call."""
+    return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                traceable=False)
+
+
+@_scaled_mm_hopper.register_fake
+def _scaled_mm_hopper_fake(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                           scale_b: torch.Tensor, bias: torch.Tensor | None,
+                           out_dtype: torch.dtype | None,
+                           use_fast_accum: bool) -> torch.Tensor:
+    return _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
 
 
 def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,

@@ -1,0 +1,359 @@
+"""Hopper's fp8 GEMM with precise accumulation: tensorwise and rowwise scaled_mm with
+``use_fast_accum=False``, and blockwise scaled_mm (DeepSeek-V3's 1x128 / 128x128 scales, which
+apply at each promotion), written in Gluon (Triton's lower-level dialect) for sm_90.
+
+Hopper's fp8 tensor cores keep fewer bits than fp32 in their accumulator, so a precise fp8 GEMM
+adds each K step's product into an fp32 accumulator in registers: every step's wgmma writes a
+fresh partial sum, the warpgroup waits for it and adds it. That wait idles the tensor cores
+unless another warpgroup has work in flight, which a Triton kernel cannot arrange (its
+warpgroups run in lock step, and Triton's own promotion, ``max_num_imprecise_acc``, waits the
+same way: 0.80-0.87x cuBLAS on an H100). Here the work is warp-specialized, as DeepGEMM does:
+
+- one loader warp streams A and B tiles through TMA into ``STAGES`` shared-memory slots, each
+  slot guarded by a "ready" barrier (bytes arrived) and an "empty" one (every consumer done);
+- CONSUMERS warpgroups (2 or 3) each own 64 rows of a [64 * CONSUMERS, BLOCK_N] output tile
+  and share its B tile: per K step one wgmma into a fresh partial, a wait, the slot released,
+  the partial added into fp32. While one warpgroup adds, the others' wgmmas run;
+- the epilogue scales by scale_a (per row, stride 0 for one scale) and scale_b (per column),
+  adds bias, casts and stores by TMA, per consumer. Blockwise scales multiply each step's
+  partial sum instead (scale_b one per 128 columns: a tile's 128 columns are one block), loaded
+  a step ahead.
+
+``fp8_grouped_precise_kernel`` runs the same partitions over the groups of a 2-D x 3-D grouped
+product (scaled_grouped_mm's MoE forward), tiles numbered group after group; a tile that passes
+its group's last row stores through pointers masked there.
+
+Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 deep (the promotion
+interval of cuBLAS's precise mode: the same error against float64). Requirements, checked by
+the planner: A and B K-contiguous (b as ``W.t()``, torch._scaled_mm's layout), 16-byte aligned
+pitches and pointers, a row-major output; TMA zero-fills the M, N and K edges.
+
+Gluon exists in Triton 3.5 and later; ``AVAILABLE`` says whether this Triton has it.
+"""
+
+try:  # Gluon and its Hopper ops: Triton 3.5+
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # Triton renamed the TMA copies after 3.6.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - older Triton
+    AVAILABLE = False
+
+ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma rows
+BLOCK_K = 128  # fp8 elements per K step (one promotion)
+# Registers per thread of the consumer warpgroups, for two or three of them: a 64x128 fp32
+# accumulator and the step's partial sum (64 each) fit either way; three consumers must leave
+# room in the SM's 64K registers for each other and the loader.
+CONSUMER_REGS = {2: 232, 3: 160}
+
+if AVAILABLE:
+    _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
+    _BLOCK_K = gl.constexpr(BLOCK_K)
+
+    @gluon.jit
+    def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      GROUP_M: gl.constexpr):
+        """(row, column) of the tile-th output tile of an M x N output in L2-grouped order:
+        GROUP_M tile rows sweep the columns together, so a B tile is read from L2 by each."""
+        grid_m = gl.cdiv(M, BLOCK_M)
+        grid_n = gl.cdiv(N, BLOCK_N)
+        width = GROUP_M * grid_n
+        first_m = (tile // width) * GROUP_M
+        size_m = gl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % size_m
+        pid_n = (tile % width) // size_m
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @gluon.jit
+    def _group_end(offs_ptr, g, start, M, GROUPED: gl.constexpr):
+        """Where group g's rows end (GROUPED: offs' cumulative end, clamped into [start, M] so
+        that groups never overlap or leave the tensor), else M: one group of every row."""
+        if GROUPED:
+            end = gl.minimum(gl.maximum(gl.load(offs_ptr + g), start), M)
+        else:
+            end = M
+        return end
+
+    @gluon.jit
+    def _to_group_of(tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPED: gl.constexpr):
+        """Advance (g, its rows [m0, m1), its tiles [tiles_before, tiles_end)) to the group
+        holding ``tile``, or to the last group when ``tile`` is past every group's tiles."""
+        while (tile >= tiles_end) & (g + 1 < G):
+            g += 1
+            m0 = m1
+            m1 = _group_end(offs_ptr, g, m0, M, GROUPED)
+            tiles_before = tiles_end
+            tiles_end = tiles_before + gl.cdiv(m1 - m0, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        return g, m0, m1, tiles_before, tiles_end
+
+    @gluon.jit
+    def _first_group(offs_ptr, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUPED: gl.constexpr):
+        m1 = _group_end(offs_ptr, 0, 0, M, GROUPED)
+        return 0, 0, m1, 0, gl.cdiv(m1, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+    # Both partitions walk this program's tiles the same way: tiles numbered group after group
+    # (each group's [m0, m1) rows x N columns in L2-grouped order), every num_programs-th from
+    # the program id on, so the loader's K steps and the consumers' match one for one.
+
+    @gluon.jit
+    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K,
+                        GROUPED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: every K step of every tile of this program, in order, into the
+        next slot once its consumers have released it."""
+        BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        k_steps = gl.cdiv(K, _BLOCK_K)
+        tile = gl.program_id(0)
+        g, m0, m1, tiles_before, tiles_end = _first_group(offs_ptr, M, N, BLOCK_M, BLOCK_N,
+                                                          GROUPED)
+        g, m0, m1, tiles_before, tiles_end = _to_group_of(
+            tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
+            GROUPED)
+        step = 0
+        while tile < tiles_end:
+            off_m, off_n = _tile_offsets(tile - tiles_before, m1 - m0, N, BLOCK_M, BLOCK_N,
+                                         GROUP_M)
+            off_m += m0
+            off_b = g * N + off_n  # B's groups are stacked along its rows
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes
+                                + b_desc.block_type.nbytes)
+                for c in gl.static_range(CONSUMERS):
+                    _tma_load(a_desc, [off_m + c * _ROWS, k * _BLOCK_K], bar,
+                              a_bufs.index(slot * CONSUMERS + c))
+                _tma_load(b_desc, [off_b, k * _BLOCK_K], bar, b_bufs.index(slot))
+                step += 1
+            tile += gl.num_programs(0)
+            g, m0, m1, tiles_before, tiles_end = _to_group_of(
+                tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
+                GROUPED)
+
+    @gluon.jit
+    def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr,
+                            offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_cm, stride_bias_g,
+                            stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk,
+                            stride_sbn, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                            GROUPED: gl.constexpr, BLOCKWISE: gl.constexpr,
+                            A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                            STAGES: gl.constexpr):
+        """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every tile of this
+        program, each K step's wgmma promoted into fp32 (times the step's scales when
+        BLOCKWISE: scale_a per A_ROWS rows, scale_b one per 128 columns), then the epilogue:
+        stored by TMA, or through pointers masked at the group's last row where a GROUPED
+        tile passes it."""
+        BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        vector_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        k_steps = gl.cdiv(K, _BLOCK_K)
+        zero = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        c_smem = c_bufs.index(CONSUMER)
+        tile = gl.program_id(0)
+        g, m0, m1, tiles_before, tiles_end = _first_group(offs_ptr, M, N, BLOCK_M, BLOCK_N,
+                                                          GROUPED)
+        g, m0, m1, tiles_before, tiles_end = _to_group_of(
+            tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
+            GROUPED)
+        step = 0
+        while tile < tiles_end:
+            off_m, off_n = _tile_offsets(tile - tiles_before, m1 - m0, N, BLOCK_M, BLOCK_N,
+                                         GROUP_M)
+            off_m += m0 + CONSUMER * _ROWS
+            # The epilogue's scales and bias, loaded now so that their latency hides under the
+            # K loop, and held one element a thread until then (no registers to spare).
+            rows = off_m + gl.arange(0, _ROWS, layout=vector_layout)
+            cols = off_n + gl.arange(0, BLOCK_N, layout=vector_layout)
+            if not BLOCKWISE:
+                scale_a = gl.load(sa_ptr + rows * stride_sam, mask=rows < M, other=0.0)
+                scale_b = gl.load(sb_ptr + g * stride_sbg + cols * stride_sbn, mask=cols < N,
+                                  other=0.0)
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + g * stride_bias_g + cols * stride_bias_n,
+                               mask=cols < N, other=0.0)
+            if BLOCKWISE:
+                # A step's scales are loaded one step ahead, while the wgmma before runs.
+                step_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
+                sa_ptrs = sa_ptr + (step_rows // A_ROWS) * stride_sam
+                sb_step = sb_ptr + (off_n // _BLOCK_K) * stride_sbn
+                sa_next = gl.load(sa_ptrs, mask=step_rows < M, other=0.0)
+                sb_next = gl.load(sb_step)
+            acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
+                                     b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                                     is_async=True)
+                if BLOCKWISE:
+                    step_scale = sa_next * sb_next
+                    more = k + 1 < k_steps
+                    sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
+                                      mask=(step_rows < M) & more, other=0.0)
+                    sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
+                part = warpgroup_mma_wait(0, deps=(part,))
+                mbarrier.arrive(empty.index(slot), count=1)
+                # The promotion: one fp32 add (and for blockwise, one multiply) per K step.
+                if BLOCKWISE:
+                    acc = acc + part * gl.expand_dims(step_scale, 1)
+                else:
+                    acc = acc + part
+                step += 1
+            if not BLOCKWISE:
+                scale_a = gl.convert_layout(scale_a, row_layout)
+                scale_b = gl.convert_layout(scale_b, col_layout)
+                acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
+            if HAS_BIAS:
+                bias = gl.convert_layout(bias.to(gl.float32), col_layout)
+                acc = acc + gl.expand_dims(bias, 0)
+            if GROUPED and off_m + _ROWS > m1:
+                # The group's last rows: a store masked at its end (TMA would clip at M only).
+                out_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
+                out_cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
+                ptrs = (c_ptr + gl.expand_dims(out_rows.to(gl.int64) * stride_cm, 1)
+                        + gl.expand_dims(out_cols, 0))
+                mask = gl.expand_dims(out_rows < m1, 1) & gl.expand_dims(out_cols < N, 0)
+                gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            else:
+                tma.store_wait(0)  # this consumer's previous tile has left c_smem
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                _tma_store(c_desc, [off_m, off_n], c_smem)
+            tile += gl.num_programs(0)
+            g, m0, m1, tiles_before, tiles_end = _to_group_of(
+                tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
+                GROUPED)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
+              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, stride_sak,
+              stride_sbg, stride_sbk, stride_sbn, GROUPED: gl.constexpr,
+              BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
+              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_ROWS, _BLOCK_K], a_ptr.dtype.element_ty)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [BLOCK_N, _BLOCK_K], b_ptr.dtype.element_ty)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+            [_ROWS, BLOCK_N], c_ptr.dtype.element_ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                            block_shape=[_ROWS, _BLOCK_K], layout=a_layout)
+        # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[G * N, K], strides=[stride_bn, 1],
+                                            block_shape=[BLOCK_N, _BLOCK_K], layout=b_layout)
+        c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                            block_shape=[_ROWS, BLOCK_N], layout=c_layout)
+        a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty,
+                                           [STAGES * CONSUMERS, _ROWS, _BLOCK_K], a_layout)
+        b_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty,
+                                           [STAGES, BLOCK_N, _BLOCK_K], b_layout)
+        c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty,
+                                           [CONSUMERS, _ROWS, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+            mbarrier.arrive(empty.index(i), count=CONSUMERS)  # every slot starts free
+        # Partitions are listed statically: the default one (the kernel's 4 warps) is the
+        # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
+                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
+                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
+                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
+                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
+                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
+                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       BLOCK_N, GROUP_M, STAGES)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
+                                   M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
+                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
+                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
+                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
+                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
+                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
+                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
+                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
+                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 2,
+                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       BLOCK_N, GROUP_M, STAGES)),
+                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
+                                   M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+
+    # The entry kernels' leading tensors match the Triton kernels their launchers run (the
+    # mm kernels': workspace and locks unused; the grouped kernel's: routing unused), so each
+    # launcher runs them like those. Nothing is specialised on sizes or pitches.
+    @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
+    def fp8_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
+                           M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
+                           stride_sak, stride_sbk, stride_sbn, HAS_BIAS: gl.constexpr,
+                           BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
+                           CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                           GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr):
+        """C = (A * scale_a) @ (B * scale_b) + bias for K-contiguous fp8 A [M, K] and B [K, N]
+        (described as B's transpose [N, K]), fp32 promotion every K step; tensorwise or rowwise
+        scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row block, K
+        block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at each
+        promotion; see the module docstring. Launch with num_warps=4, one program per SM."""
+        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, sa_ptr, sb_ptr, 1, M, N, K, stride_am,
+              stride_bn, stride_cm, 0, stride_bias, stride_sam, stride_sak, 0, stride_sbk,
+              stride_sbn, False, BLOCKWISE, A_ROWS, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M,
+              STAGES, CONSUMER_REGS)
+
+    @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
+    def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,
+                                   rows_ptr, weights_ptr, G, M, N, K, stride_am, stride_bn,
+                                   stride_cm, stride_bias_g, stride_bias_n,
+                                   stride_sam, stride_sbg, stride_sbn, HAS_BIAS: gl.constexpr,
+                                   CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr):
+        """tgemm::scaled_grouped_mm's 2-D A [M, K] x 3-D B [G, K, N] with rowwise scales and
+        precise accumulation: group g's rows [offs[g-1], offs[g]) of A and C times B[g], each
+        K-contiguous, B's groups dense (stride_bg = N * stride_bn, so that B is one [G * N, K]
+        descriptor) and C row-major with 16-byte aligned rows; scale_a per row, scale_b [G, N],
+        bias [G, N]. Rows past the last group are not written. Launch with num_warps=4, at
+        most one program per SM."""
+        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
+              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, 0, stride_sbg, 0,
+              stride_sbn, True, False, 1, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M, STAGES,
+              CONSUMER_REGS)
