@@ -210,13 +210,19 @@ def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
                           None, None, plan=plan)
 
 
+def _builds_descriptors(prepared: PreparedLaunch) -> bool:
+    """Whether the launch's kernel builds TMA descriptors on the device (the persistent TMA
+    kernel, Hopper's precise fp8 kernel): Triton then needs its scratch allocator."""
+    return prepared.kernel is mm_tma_kernel or prepared.kernel is getattr(
+        wgmma_fp8, "fp8_precise_kernel", None)
+
+
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
                scale_b: torch.Tensor | None, traceable: bool) -> None:
     """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
     are the scales of a prepared scaled product, else None."""
-    if prepared.kernel is mm_tma_kernel or prepared.plan is not None and (
-            prepared.plan.kernel == tuning.FP8_PRECISE_KERNEL):
+    if _builds_descriptors(prepared):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if prepared.pads is not None:
         pad_a, pad_b = prepared.pads
@@ -471,7 +477,7 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
                  for (_, _, runtime_args), cache in zip(prepared.launches, caches))
     reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
-                           prepared.kernel is mm_tma_kernel)
+                           _builds_descriptors(prepared))
 
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
