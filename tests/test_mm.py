@@ -186,6 +186,7 @@ def test_bad_input_raises_before_launch(device, case, monkeypatch):
         raise AssertionError("a kernel was launched for bad input")
 
     monkeypatch.setattr("torch_triton_gemm.ops.mm.run_launch", no_launch)
+    monkeypatch.setattr("torch_triton_gemm.ops.mm.run_kept", no_launch)
     with pytest.raises(error, match=_escape(message)):
         tg.mm(*args)
 

@@ -241,6 +241,29 @@ def test_eager_impl_must_take_the_same_parameters():
     with pytest.raises(TypeError, match="eager_impl must take the parameters of impl"):
         define_triton_op("tgemm_registry_test::mismatch", impl, impl, eager_impl=eager)
 
+    def takes_more(x: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+        return x * alpha
+
+    with pytest.raises(TypeError, match="eager_impl must take the parameters of impl"):
+        define_triton_op("tgemm_registry_test::mismatch", impl, impl, eager_impl=takes_more)
+
+
+def test_eager_impl_may_take_more_parameters_with_defaults():
+    """Parameters after impl's, with defaults, serve other callers; the op never passes them."""
+    seen = []
+
+    def impl(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        return x * alpha
+
+    def eager(x: torch.Tensor, alpha: float = 1.0, note: str | None = None) -> torch.Tensor:
+        seen.append(note)
+        return x * alpha
+
+    define_triton_op("tgemm_registry_test::more", impl, impl, eager_impl=eager)
+    x = torch.randn(3)
+    assert torch.equal(torch.ops.tgemm_registry_test.more(x, 2.0), x * 2.0)
+    assert seen == [None]
+
 
 @pytest.mark.skipif(not tgemm_device.interpreter_enabled(),
                     reason="this session already uses the triton_op registration")

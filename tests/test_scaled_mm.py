@@ -409,7 +409,7 @@ def test_bad_input_raises_before_launch(device, case, monkeypatch):
         raise AssertionError("a kernel was launched for bad input")
 
     monkeypatch.setattr("torch_triton_gemm.ops.scaled_mm.launch_scaled_mm", no_launch)
-    monkeypatch.setattr("torch_triton_gemm.ops.scaled_mm.run_launch", no_launch)
+    monkeypatch.setattr("torch_triton_gemm.ops.scaled_mm.run_kept", no_launch)
     with pytest.raises(error, match=re.escape(message)):
         tg.scaled_mm(*args)
     # The registered op (and so its fake) runs the same checks.

@@ -270,17 +270,22 @@ MLP_DIM, MLP_HIDDEN = 24, 32
 def _mm_launches() -> Iterator[list[tuple[int, int, int]]]:
     """(M, K, N) of every tgemm::mm kernel launch in the block: the tensors the kernel sees."""
     launches: list[tuple[int, int, int]] = []
-    run_launch = mm_module.run_launch
+    # Traced and first calls launch through run_launch, later eager calls through run_kept.
+    originals = {name: getattr(mm_module, name) for name in ("run_launch", "run_kept")}
 
-    def logged(prepared: Any, a: torch.Tensor, b: torch.Tensor, *args: Any) -> None:
-        launches.append((a.shape[0], a.shape[1], b.shape[1]))
-        run_launch(prepared, a, b, *args)
+    def logger(run: Any) -> Any:
+        def logged(prepared: Any, a: torch.Tensor, b: torch.Tensor, *args: Any) -> None:
+            launches.append((a.shape[0], a.shape[1], b.shape[1]))
+            run(prepared, a, b, *args)
+        return logged
 
-    mm_module.run_launch = logged
+    for name, run in originals.items():
+        setattr(mm_module, name, logger(run))
     try:
         yield launches
     finally:
-        mm_module.run_launch = run_launch
+        for name, run in originals.items():
+            setattr(mm_module, name, run)
 
 
 def _train_step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:

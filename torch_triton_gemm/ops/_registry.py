@@ -57,7 +57,8 @@ def define_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
     no launch).
 
     ``eager_impl``, when given, serves eager calls on real CPU/CUDA tensors (see the module
-    docstring): it takes the arguments of ``impl`` with the same defaults, launches the kernels
+    docstring): it takes the arguments of ``impl`` with the same defaults (then optionally more,
+    with defaults, that the op's calls never pass), launches the kernels
     directly (no ``wrap_triton``) and returns new tensors that alias no input. Gradients of such
     calls use the formulas given to the op's ``register_autograd``, read at call time, so it may
     be called after this function.
@@ -109,9 +110,14 @@ def _check_same_parameters(name: str, impl: Callable[..., Any],
     def parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
         return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    if parameters(impl) != parameters(eager_impl):
+    # More parameters after impl's, each with a default, serve other callers of eager_impl
+    # (the dispatcher never passes them).
+    expected, given = parameters(impl), parameters(eager_impl)
+    if given[:len(expected)] != expected or any(
+            default is inspect.Parameter.empty for _, _, default in given[len(expected):]):
         raise TypeError(f"{name}: eager_impl must take the parameters of impl, with the same "
-                        f"defaults: {inspect.signature(impl)} vs {inspect.signature(eager_impl)}")
+                        f"defaults, first: {inspect.signature(impl)} vs "
+                        f"{inspect.signature(eager_impl)}")
 
 
 def _register_eager_kernels(op: CustomOpDef, eager_impl: Callable[..., Any]

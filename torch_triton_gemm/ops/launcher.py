@@ -10,6 +10,7 @@ per-signature memo of eager launches and the test for calls that may skip the di
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -56,8 +57,9 @@ class PreparedLaunch(NamedTuple):
     pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
     locks_shape: tuple[int] | None = None  # stream-K's flags, zeroed per launch
     plan: tuning.MMPlan | None = None  # the plan as launched (for benchmarks and tests)
-    # Compiled kernels, one cache per launch and the reduction's last (see _launch_compiled),
-    # for prepared launches that are kept and reused (memoised eager calls); else empty.
+    # Compiled kernels per device, one cache per launch, then the reduction's (see
+    # _launch_compiled), then run_kept's direct launches; for prepared launches that are kept
+    # and reused (memoised eager calls), else empty.
     compiled: tuple[dict[Any, Any], ...] = ()
 
 
@@ -208,13 +210,19 @@ def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | 
                           None, None, plan=plan)
 
 
+def _builds_descriptors(prepared: PreparedLaunch) -> bool:
+    """Whether the launch's kernel builds TMA descriptors on the device (the persistent TMA
+    kernel, Hopper's precise fp8 kernel): Triton then needs its scratch allocator."""
+    return prepared.kernel is mm_tma_kernel or prepared.kernel is getattr(
+        wgmma_fp8, "fp8_precise_kernel", None)
+
+
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
                scale_b: torch.Tensor | None, traceable: bool) -> None:
     """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
     are the scales of a prepared scaled product, else None."""
-    if prepared.kernel is mm_tma_kernel or prepared.plan is not None and (
-            prepared.plan.kernel == tuning.FP8_PRECISE_KERNEL):
+    if _builds_descriptors(prepared):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if prepared.pads is not None:
         pad_a, pad_b = prepared.pads
@@ -226,7 +234,7 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     locks = None
     if prepared.locks_shape is not None:
         locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
-    caches = prepared.compiled or (None,) * (len(prepared.launches) + 1)
+    caches = prepared.compiled or (None,) * (len(prepared.launches) + 2)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         launch_kernel(prepared.kernel, grid,
                       (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
@@ -235,7 +243,7 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
-                      traceable, caches[-1])
+                      traceable, caches[-2])
 
 
 def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -281,7 +289,7 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
     """
     if _INTERPRETED or _launch_hooks_set():
         return False
-    device = torch._C._cuda_getDevice()
+    device = _current_device()
     entry = cache.get(device)
     if entry is None:
         # The variant's first launch here: Triton compiles it unless its cache (or the compile
@@ -299,13 +307,16 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
         cache[device] = (launched, (*grid, 1, 1)[:3], tail)
         return True
     launched, (grid_0, grid_1, grid_2), tail = entry
-    launched.run(grid_0, grid_1, grid_2, torch._C._cuda_getCurrentRawStream(device),
+    launched.run(grid_0, grid_1, grid_2, _current_stream(device),
                  launched.function, launched.packed_metadata, None, None, None, *args, *tail)
     return True
 
 
 # Fixed for the process once kernels are decorated (see device.interpreter_enabled).
 _INTERPRETED = _device.interpreter_enabled()
+# The current CUDA device's index, and a device's current stream (CUDA builds of torch).
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # Triton's runtime knobs (3.4+), where its launch hooks live; direct launches rely on the
 # launcher contract of those versions (grid, stream, function, metadata, hooks, arguments) and
 # are not used on older ones.
@@ -326,7 +337,7 @@ def _launch_hooks_set() -> bool:
 # the kernel. They depend only on the call's signature (shapes, strides, dtypes, devices, the
 # 16-byte alignment of operands and bias, activation, out dtype, fp32 precision, tuned-plan
 # version), so eager calls memoise them per signature; a signature seen once needs no checks
-# again, and its kernels launch without Triton's JIT (see _launch_compiled).
+# again, and its kernels launch without Triton's JIT (see _launch_compiled, run_kept).
 
 def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     """What an eager call's signature holds of a tensor argument (None stays None): shape,
@@ -337,15 +348,36 @@ def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
-# Signature -> (out's shape, strides and dtype, the prepared launch or None).
-_EAGER_LAUNCHES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], torch.dtype,
-                                             Any]] = {}
+class EagerEntry(NamedTuple):
+    """A memoised eager signature: a new output as the first call made it (``empty_strided``
+    with that call's layout: the cheapest of torch's allocating calls, no option parsing from a
+    template tensor as in ``new_empty``), and the prepared launch (None: nothing to launch)."""
+    allocate: Callable[[], torch.Tensor]
+    prepared: Any
+
+
+# Signature -> its EagerEntry.
+_EAGER_LAUNCHES: dict[tuple[Any, ...], EagerEntry] = {}
 _EAGER_LAUNCHES_LIMIT = 4096
 
 
 def kept(prepared: PreparedLaunch) -> PreparedLaunch:
     """``prepared`` with caches for the kernels it launches, to be kept and reused."""
-    return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 1)))
+    return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 2)))
+
+
+def remember(signature: tuple[Any, ...], out: torch.Tensor, prepared: Any) -> None:
+    """Memoise a first call's output layout and prepared launch under its ``signature``."""
+    if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
+        _EAGER_LAUNCHES.clear()
+    allocate = functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
+                                 dtype=out.dtype, device=out.device)
+    _EAGER_LAUNCHES[signature] = EagerEntry(allocate, prepared)
+
+
+def eager_entry(signature: tuple[Any, ...]) -> EagerEntry | None:
+    """The memo of an eager call's ``signature`` (see memoised_eager_call), if any."""
+    return _EAGER_LAUNCHES.get(signature)
 
 
 def memoised_eager_call(signature: tuple[Any, ...],
@@ -353,22 +385,106 @@ def memoised_eager_call(signature: tuple[Any, ...],
                         like: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """The output and the prepared launch (None: nothing to launch) of an eager GEMM call, from
     the memo of its ``signature``, which must fix everything the checks and the launch depend
-    on (the op's name among them where two ops share a form).
+    on (the op's name among them where two ops share a form; devices included, so the output
+    is allocated where the first call's was).
 
     The first call of a signature runs ``first_call``: the checks, then the output and the
-    prepared launch. Later calls only allocate the output, as the first call made it, on
-    ``like``'s device (``empty_strided``, the cheapest of torch's allocating calls: no option
-    parsing from a template tensor as in ``new_empty``).
+    prepared launch. Later calls only allocate the output, as the first call made it.
     """
     known = _EAGER_LAUNCHES.get(signature)
     if known is None:
         out, prepared = first_call()
-        if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
-            _EAGER_LAUNCHES.clear()
-        _EAGER_LAUNCHES[signature] = (tuple(out.shape), out.stride(), out.dtype, prepared)
+        remember(signature, out, prepared)
         return out, prepared
-    shape, strides, dtype, prepared = known
-    return torch.empty_strided(shape, strides, dtype=dtype, device=like.device), prepared
+    allocate, prepared = known
+    return allocate(), prepared
+
+
+def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
+             bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
+             scale_b: torch.Tensor | None) -> None:
+    """``run_launch`` of a kept prepared launch (a memoised eager call), without tracing.
+
+    Once every kernel of the launch is compiled for the current device, a call only allocates
+    the workspace and calls each compiled kernel's launcher with the arguments put together by
+    the first call (``_DirectLaunches``, kept in ``prepared.compiled[-1]``): host time of a
+    small GEMM is mostly this path's."""
+    device = _current_device() if not _INTERPRETED else None
+    direct = prepared.compiled[-1].get(device)
+    if direct is None or _launch_hooks_set():  # (hooks: Triton's JIT path calls them)
+        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
+        if direct is None and device is not None:
+            direct = _direct_launches(prepared, device)
+            if direct is not None:
+                prepared.compiled[-1][device] = direct
+        return
+    gemm, reduce, workspace_shape, locks_shape, tma = direct
+    workspace = locks = None
+    if workspace_shape is not None:
+        workspace = torch.empty(workspace_shape, device=a.device, dtype=torch.float32)
+    if locks_shape is not None:
+        locks = torch.zeros(locks_shape, device=a.device, dtype=torch.int32)
+    stream = _current_stream(device)
+    tensors = (a, b, out, bias, workspace, locks, scale_a, scale_b)
+    if tma:
+        _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
+        with _device.SHARED_SCRATCH:
+            _run_direct(gemm, stream, tensors)
+    else:
+        _run_direct(gemm, stream, tensors)
+    if reduce is not None:
+        _run_direct((reduce,), stream, (workspace, out, bias))
+
+
+# One kernel launch as run_kept makes it: the compiled kernel's launcher, its handle and
+# metadata, the grid, and the arguments after the tensors (constexprs included, in order).
+DirectLaunch = tuple[Any, Any, Any, int, int, int, tuple[Any, ...]]
+
+
+class _DirectLaunches(NamedTuple):
+    """A kept prepared launch as run_kept makes it on one device."""
+    gemm: tuple[DirectLaunch, ...]
+    reduce: DirectLaunch | None
+    workspace_shape: tuple[int, ...] | None
+    locks_shape: tuple[int] | None
+    tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
+
+
+def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
+                tensors: tuple[torch.Tensor | None, ...]) -> None:
+    # Triton's launcher contract (see _TRITON_RUNTIME): grid, stream, function, metadata, the
+    # launch metadata and hooks (none: run_kept is not used with hooks set), arguments.
+    for run, function, metadata, grid_0, grid_1, grid_2, rest in launches:
+        run(grid_0, grid_1, grid_2, stream, function, metadata, None, None, None,
+            *tensors, *rest)
+
+
+def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches | None:
+    """run_kept's launches of ``prepared`` on ``device``, once _launch_compiled has kept the
+    compiled kernel of each of its launches there; None where some launch went through
+    Triton's JIT or the operands need padded copies first."""
+    def direct(cache: dict[int, Any], runtime_args: tuple[Any, ...]) -> DirectLaunch:
+        launched, grid, tail = cache[device]
+        return (launched.run, launched.function, launched.packed_metadata, *grid,
+                (*runtime_args, *tail))
+
+    caches = prepared.compiled
+    if prepared.pads is not None or any(
+            device not in cache for cache in caches[:len(prepared.launches)]) or (
+            prepared.reduce is not None and device not in caches[-2]):
+        return None
+    gemm = tuple(direct(cache, runtime_args)
+                 for (_, _, runtime_args), cache in zip(prepared.launches, caches))
+    reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
+    return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
+                           _builds_descriptors(prepared))
+
+
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(*tensors: torch.Tensor | None) -> bool:
@@ -376,22 +492,19 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
     tensor subclasses. Such calls skip the dispatcher (autograd still applies, through the op's
     eager autograd function, as ``_EagerMM`` in ops/mm.py), whose Python custom-op path costs
     more host time than a small GEMM takes on the GPU."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    if torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active():
+    # is_compiling first: TorchDynamo, tracing this, folds it and traces no further.
+    if (torch.compiler.is_compiling() or _len_dispatch_stack() or _function_mode_enabled()
+            or _functorch_active()):
         return False
     for t in tensors:
-        if t is None:
-            continue
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return False
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if t is not None and (type(t) not in _PLAIN_TYPES or _functorch_wrapped(t)):
             return False
     return True
 
 
+_any_requires_grad = torch._C._any_requires_grad
+
+
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd must record a call on these tensors (None entries are skipped)."""
-    if not torch.is_grad_enabled():
-        return False
-    return any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and _any_requires_grad(*tensors)

@@ -42,11 +42,13 @@ from .checks import (
 )
 from .launcher import (
     PreparedLaunch,
+    eager_entry,
     kept,
-    memoised_eager_call,
     needs_grad,
     plain_eager,
     prepare_launch,
+    remember,
+    run_kept,
     run_launch,
     tensor_key,
 )
@@ -98,13 +100,6 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=True)
 
 
-def _mm_eager(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-              activation: str = "none", out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The op body for eager calls on real tensors: the kernels launched without wrap_triton,
-    checks and launch arithmetic memoised per call signature."""
-    return mm_eager_call(a, b, bias, activation, out_dtype)
-
-
 def _allocate_and_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                          activation: str, out_dtype: torch.dtype | None,
                          traceable: bool) -> torch.Tensor:
@@ -132,41 +127,56 @@ def _prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 def mm_eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                        activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
-    """The memo key of a plain eager call (see memoised_eager_call)."""
-    return (tensor_key(a), tensor_key(b), tensor_key(bias), activation, out_dtype,
+    """The memo key of a plain eager call (see memoised_eager_call): a's and b's parts of
+    ``tensor_key`` in one flat tuple (cheaper to build and hash than nested ones), then the
+    other arguments."""
+    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
+            a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
+            None if bias is None else tensor_key(bias), activation, out_dtype,
             float32_precision(), plan_cache.TUNED.version)
 
 
-def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                  activation: str, out_dtype: torch.dtype | None,
+def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str = "none", out_dtype: torch.dtype | None = None,
                   signature: tuple[Any, ...] | None = None) -> torch.Tensor:
-    """A plain eager call (see plain_eager) without autograd; ``signature``, when the caller
-    has it, is this call's ``mm_eager_signature``."""
+    """A plain eager call (see plain_eager) without autograd, and the op body for eager calls
+    on real tensors: the kernels launched without wrap_triton, checks and launch arithmetic
+    memoised per call signature. ``signature``, when the caller has it, is this call's
+    ``mm_eager_signature``."""
     if tuning.forced_plan() is not None:
         return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
     if signature is None:
         signature = mm_eager_signature(a, b, bias, activation, out_dtype)
-
-    def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
-        out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
-        prepared = _prepare_launch(a, b, bias, out, activation, False)
-        if prepared is None:
-            return out, None
-        if compile_ahead.background_enabled(a.device):
-            compile_ahead.first_call(a, b, bias, activation, out, prepared)
-        return out, kept(prepared)
-
-    out, prepared = memoised_eager_call(signature, first_call, a)
+    known = eager_entry(signature)
+    if known is None:
+        out, prepared = _first_eager_call(a, b, bias, activation, out_dtype)
+        remember(signature, out, prepared)
+    else:
+        allocate, prepared = known
+        out = allocate()
     if prepared is not None:
-        run_launch(prepared, a, b, bias, out, None, None, False)
+        run_kept(prepared, a, b, bias, out, None, None)
     return out
+
+
+def _first_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                      activation: str, out_dtype: torch.dtype | None
+                      ) -> tuple[torch.Tensor, PreparedLaunch | None]:
+    """The checks, the output and the launch to keep of a signature's first eager call."""
+    out = _mm_fake(a, b, bias, activation, out_dtype)  # the checks
+    prepared = _prepare_launch(a, b, bias, out, activation, False)
+    if prepared is None:
+        return out, None
+    if compile_ahead.background_enabled(a.device):
+        compile_ahead.first_call(a, b, bias, activation, out, prepared)
+    return out, kept(prepared)
 
 
 # --- registration -------------------------------------------------------------------------------
 
-# Eager calls of torch.ops.tgemm.mm on real tensors reach _mm_eager through light kernels (see
-# define_triton_op); tracing and compile see the triton_op _mm_impl.
-mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake, eager_impl=_mm_eager)
+# Eager calls of torch.ops.tgemm.mm on real tensors reach mm_eager_call through light kernels
+# (see define_triton_op); tracing and compile see the triton_op _mm_impl.
+mm_op = define_triton_op("tgemm::mm", _mm_impl, _mm_fake, eager_impl=mm_eager_call)
 
 
 # --- autograd -----------------------------------------------------------------------------------

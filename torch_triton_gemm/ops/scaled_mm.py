@@ -62,14 +62,15 @@ from .checks import (
 from .launcher import (
     GemmScales,
     PreparedLaunch,
+    eager_entry,
     kept,
     launch_kernel,
     launch_mm,
-    memoised_eager_call,
     needs_grad,
     plain_eager,
     prepare_launch,
-    run_launch,
+    remember,
+    run_kept,
     tensor_key,
 )
 from .planner import fp8_precise_plan, plan_mm
@@ -393,47 +394,57 @@ def launch_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
 def _eager_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      scale_b: torch.Tensor, bias: torch.Tensor | None,
                      out_dtype: torch.dtype | None, use_fast_accum: bool) -> tuple[Any, ...]:
-    return ("tgemm::scaled_mm", tensor_key(a), tensor_key(b), tensor_key(scale_a),
-            tensor_key(scale_b), tensor_key(bias), out_dtype, bool(use_fast_accum),
-            plan_cache.TUNED.version)
+    # The parts of tensor_key of a, b and the scales in one flat tuple (cheaper to build and
+    # hash than nested ones).
+    return ("tgemm::scaled_mm", a.shape, b.shape, scale_a.shape, scale_b.shape,
+            a.stride(), b.stride(), scale_a.stride(), scale_b.stride(),
+            a.dtype, b.dtype, scale_a.dtype, scale_b.dtype,
+            a.device, b.device, scale_a.device, scale_b.device,
+            a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, scale_a.data_ptr() % 16 == 0,
+            scale_b.data_ptr() % 16 == 0, None if bias is None else tensor_key(bias), out_dtype,
+            bool(use_fast_accum), plan_cache.TUNED.version)
 
-
-def _eager_allocate_and_launch(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
-                               scale_b: torch.Tensor, bias: torch.Tensor | None,
-                               out_dtype: torch.dtype | None,
-                               use_fast_accum: bool) -> torch.Tensor:
-    if scale_a.dtype != torch.float32 or tuning.forced_plan() is not None:
-        return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
-                                    traceable=False)
-
-    def first_call() -> tuple[torch.Tensor, PreparedLaunch | None]:
-        out_dtype_checked, recipe = _check_inputs(a, b, scale_a, scale_b, bias, out_dtype)
-        error = _device.kernel_device_error(a.device)
-        check(error is None, lambda: f"tgemm::scaled_mm: {error}")
-        out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype_checked)
-        if out.numel() == 0:
-            return out, None
-        scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
-        plan = plan_mm(a, b, bias, out, "none", False, scales)
-        return out, kept(prepare_launch(a, b, bias, out, "none", False, plan, scales))
-
-    signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-    out, prepared = memoised_eager_call(signature, first_call, a)
-    if prepared is not None:
-        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
-    return out
-
-
-# --- registration -------------------------------------------------------------------------------
 
 def _scaled_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                      scale_b: torch.Tensor, bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None,
                      use_fast_accum: bool = False) -> torch.Tensor:
     """The op body for eager calls on real tensors: kernels launched without wrap_triton,
-    checks and launch arithmetic memoised per call signature."""
-    return _eager_allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    checks and launch arithmetic of the fp8 recipes memoised per call signature."""
+    if scale_a.dtype != torch.float32 or tuning.forced_plan() is not None:
+        return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                                    traceable=False)
+    signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    known = eager_entry(signature)
+    if known is None:
+        out, prepared = _first_eager_call(a, b, scale_a, scale_b, bias, out_dtype,
+                                          use_fast_accum)
+        remember(signature, out, prepared)
+    else:
+        allocate, prepared = known
+        out = allocate()
+    if prepared is not None:
+        run_kept(prepared, a, b, bias, out, scale_a, scale_b)
+    return out
 
+
+def _first_eager_call(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, use_fast_accum: bool
+                      ) -> tuple[torch.Tensor, PreparedLaunch | None]:
+    """The checks, the output and the launch to keep of a signature's first eager call."""
+    out_dtype_checked, recipe = _check_inputs(a, b, scale_a, scale_b, bias, out_dtype)
+    error = _device.kernel_device_error(a.device)
+    check(error is None, lambda: f"tgemm::scaled_mm: {error}")
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype_checked)
+    if out.numel() == 0:
+        return out, None
+    scales = _gemm_scales(recipe, scale_a, scale_b, use_fast_accum)
+    plan = plan_mm(a, b, bias, out, "none", False, scales)
+    return out, kept(prepare_launch(a, b, bias, out, "none", False, plan, scales))
+
+
+# --- registration -------------------------------------------------------------------------------
 
 # Eager calls of torch.ops.tgemm.scaled_mm on real tensors reach _scaled_mm_eager through light
 # kernels (see _registry.define_triton_op); tracing sees the triton_op.
@@ -491,9 +502,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
         >>> wq, ws = tg.quantize(w.t(), "rowwise", "b")   # [K, N] column-major
         >>> y = tg.scaled_mm(xq, wq, xs, ws)               # [64, 512] bfloat16
     """
-    if torch.is_grad_enabled():
+    if plain_eager(a, b, scale_a, scale_b, bias):
+        if not needs_grad(a, b, scale_a, scale_b, bias):
+            return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+        _check_no_quantized_grads(a, b, scale_a, scale_b)  # bias alone may need gradients
+    elif torch.is_grad_enabled():
         _check_no_quantized_grads(a, b, scale_a, scale_b)
-    if plain_eager(a, b, scale_a, scale_b, bias) and not needs_grad(bias):
-        return _eager_allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype,
-                                          use_fast_accum)
     return torch.ops.tgemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)

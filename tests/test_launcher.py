@@ -1,0 +1,139 @@
+"""Direct launches of memoised eager calls: after a signature's first call, tgemm calls each
+compiled kernel's launcher itself (launcher.run_kept). These tests stand in for the compiled
+kernels (this host may have no GPU) and check that the direct launches pass exactly what the
+first launch passed through Triton's JIT, for plain, split-K and scaled products."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+
+import pytest
+import torch
+from samples import randn
+
+import torch_triton_gemm as tg
+from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
+from torch_triton_gemm.ops import launcher
+from torch_triton_gemm.ops import mm as mm_module
+
+_STREAM = 7
+
+
+class _Recorder:
+    """Stands in for Triton: ``kernel[grid](*args, **meta)`` (the JIT) records the launch by
+    parameter name and returns a compiled kernel whose launcher records its calls."""
+
+    def __init__(self) -> None:
+        self.jit: list[tuple[str, tuple[int, ...], dict[str, object]]] = []
+        self.direct: list[tuple[str, tuple[int, ...], int, dict[str, object]]] = []
+
+    def getitem(self, kernel, grid):  # type: ignore[no-untyped-def]
+        name = kernel.fn.__name__
+        names = kernel.arg_names
+
+        def jit(*args, **meta):  # type: ignore[no-untyped-def]
+            self.jit.append((name, tuple(grid), {**dict(zip(names, args)), **meta}))
+
+            def run(grid_0, grid_1, grid_2, stream, function, metadata, launch_metadata,
+                    enter_hook, exit_hook, *arguments):  # type: ignore[no-untyped-def]
+                assert (function, metadata) == (name, "packed")
+                assert (launch_metadata, enter_hook, exit_hook) == (None, None, None)
+                assert len(arguments) == len(names)
+                self.direct.append((name, (grid_0, grid_1, grid_2), stream,
+                                    dict(zip(names, arguments))))
+
+            return types.SimpleNamespace(run=run, function=name, packed_metadata="packed")
+
+        return jit
+
+
+@pytest.fixture
+def recorder(monkeypatch):  # type: ignore[no-untyped-def]
+    """Launches as on a GPU (compiled kernels, direct launches), recorded instead of run."""
+    record = _Recorder()
+    monkeypatch.setattr(launcher, "_INTERPRETED", False)
+    monkeypatch.setattr(launcher, "_current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_current_stream", lambda device: _STREAM)
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    for kernel in (mm_kernel, mm_tma_kernel, splitk_reduce_kernel):
+        if not hasattr(kernel, "params"):  # the interpreter's kernels: the JIT's parameters
+            params = [types.SimpleNamespace(name=p.name, default=p.default)
+                      for p in inspect.signature(kernel.fn).parameters.values()]
+            monkeypatch.setattr(kernel, "params", params, raising=False)
+    monkeypatch.setattr(type(mm_kernel), "__getitem__",
+                        lambda kernel, grid: record.getitem(kernel, grid))
+    return record
+
+
+def _expect_direct_launches_repeat_the_jit(record: _Recorder, calls: int,
+                                           tensors: dict[str, object]) -> None:
+    """The first call launched through the JIT; each later call launched the same kernels
+    directly, on the current stream, with the JIT launch's arguments (the kernels' defaults
+    for parameters the JIT was not given) and this call's tensors."""
+    kernels = len(record.jit)
+    assert kernels >= 1 and len(record.direct) == kernels * (calls - 1)
+    for call in range(calls - 1):
+        for (name, grid, by_name), direct in zip(
+                record.jit, record.direct[call * kernels:(call + 1) * kernels]):
+            direct_name, direct_grid, stream, passed = direct
+            assert (direct_name, direct_grid, stream) == (name, (*grid, 1, 1)[:3], _STREAM)
+            for param, value in passed.items():
+                if param in tensors:
+                    assert value is tensors[param], param
+                elif isinstance(by_name.get(param), torch.Tensor):
+                    expected = by_name[param]
+                    assert (value.shape, value.stride(), value.dtype) == (
+                        expected.shape, expected.stride(), expected.dtype), param
+                elif param in by_name:
+                    assert value == by_name[param], param
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_direct_launches_repeat_the_jit_launch(recorder, device, bias):
+    a = randn((3, 64), torch.float16, device)
+    b = randn((48, 64), torch.float16, device).t()
+    c = randn((48,), torch.float16, device) if bias else None
+    for _ in range(3):
+        out = tg.mm(a, b, c, "relu")
+    assert out.shape == (3, 48) and out.dtype == torch.float16
+    _expect_direct_launches_repeat_the_jit(recorder, 3, {"a_ptr": a, "b_ptr": b, "bias_ptr": c})
+
+
+def test_direct_launches_repeat_split_k_and_its_reduction(recorder, device, monkeypatch):
+    plan_mm = mm_module.plan_mm
+    monkeypatch.setattr(mm_module, "plan_mm", lambda *args: dataclasses.replace(
+        plan_mm(*args), split_k=4))
+    a = randn((2, 1024), torch.float16, device)
+    b = randn((1024, 32), torch.float16, device)
+    for _ in range(2):
+        torch.ops.tgemm.mm(a, b, None, "none", None)
+    assert "splitk_reduce_kernel" in [name for name, _, _ in recorder.jit]
+    _expect_direct_launches_repeat_the_jit(recorder, 2, {"a_ptr": a, "b_ptr": b})
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_direct_launches_repeat_scaled_launches(recorder, device, recipe):
+    a = randn((4, 64), torch.float16, device).to(torch.float8_e4m3fn)
+    b = randn((32, 64), torch.float16, device).to(torch.float8_e4m3fn).t()
+    if recipe == "tensorwise":
+        scale_a, scale_b = torch.rand((), device=device), torch.rand((), device=device)
+    else:
+        scale_a, scale_b = torch.rand((4, 1), device=device), torch.rand((1, 32), device=device)
+    for _ in range(3):
+        tg.scaled_mm(a, b, scale_a, scale_b)
+    _expect_direct_launches_repeat_the_jit(
+        recorder, 3, {"a_ptr": a, "b_ptr": b, "sa_ptr": scale_a, "sb_ptr": scale_b})
+
+
+def test_launch_hooks_send_calls_through_the_jit(recorder, device, monkeypatch):
+    """Profilers' launch hooks are called by Triton's JIT path only: with hooks set, every call
+    launches through it."""
+    a = randn((3, 64), torch.float16, device)
+    b = randn((64, 16), torch.float16, device)
+    tg.mm(a, b)
+    monkeypatch.setattr(launcher, "_launch_hooks_set", lambda: True)
+    tg.mm(a, b)
+    tg.mm(a, b)
+    assert len(recorder.jit) == 3 and recorder.direct == []
