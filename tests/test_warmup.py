@@ -70,6 +70,9 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
     monkeypatch.setattr(launcher, "launch_kernel", recording)
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})  # every call is a first call
+    # As under a profiler's launch hooks: a repeated eager signature launches through
+    # launch_kernel too, not through the direct launches of kept kernels (run_kept).
+    monkeypatch.setattr(launcher, "_launch_hooks_set", lambda: True)
     return launched
 
 
