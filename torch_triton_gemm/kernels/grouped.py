@@ -56,22 +56,28 @@ TABLE_COLUMNS = tl.constexpr(12)
 
 # --- group extents ------------------------------------------------------------------------------
 
-@triton.jit
-def group_end(offs_ptr, g, start, total):
-    """Where group g ends along the grouped dimension, given where it starts.
+# Helpers below take values loaded from offs and rows, never those pointers: PyTorch's analysis of
+# what a kernel writes (torch.compile copies each written tensor) takes every result of a helper as
+# derived from all its arguments, and a store address derived from a pointer argument would count
+# that tensor as written. Loads in the kernel's own body are followed no further.
 
-    offs holds cumulative ends; the end is clamped into [start, total], so groups never overlap
-    and never leave the tensor whatever offs holds: an entry below its predecessor gives an empty
-    group, an entry past the end stops at the end.
+@triton.jit
+def group_end(entry, start, total):
+    """Where a group ends along the grouped dimension, given where it starts and its entry of
+    offs (cumulative ends).
+
+    The end is clamped into [start, total], so groups never overlap and never leave the tensor
+    whatever offs holds: an entry below its predecessor gives an empty group, an entry past the
+    end stops at the end.
     """
-    end = tl.load(offs_ptr + g)
-    return tl.minimum(tl.maximum(end, start), total)
+    return tl.minimum(tl.maximum(entry, start), total)
 
 
 @triton.jit
-def group_problem(offs_ptr, g, start, M, N, K, GROUPED: tl.constexpr):
-    """Group g's row, column and contraction ranges [m0, m1), [n0, n1), [k0, k1), in the
-    coordinates of the full operands, and where it ends along the grouped dimension."""
+def group_problem(entry, start, M, N, K, GROUPED: tl.constexpr):
+    """A group's row, column and contraction ranges [m0, m1), [n0, n1), [k0, k1), in the
+    coordinates of the full operands, and where it ends along the grouped dimension, from where
+    it starts and its entry of offs."""
     m0 = 0
     m1 = M
     n0 = 0
@@ -80,15 +86,15 @@ def group_problem(offs_ptr, g, start, M, N, K, GROUPED: tl.constexpr):
     k1 = K
     end = start
     if GROUPED == "m":
-        end = group_end(offs_ptr, g, start, M)
+        end = group_end(entry, start, M)
         m0 = start
         m1 = end
     elif GROUPED == "n":
-        end = group_end(offs_ptr, g, start, N)
+        end = group_end(entry, start, N)
         n0 = start
         n1 = end
     elif GROUPED == "k":
-        end = group_end(offs_ptr, g, start, K)
+        end = group_end(entry, start, K)
         k0 = start
         k1 = end
     return m0, m1, n0, n1, k0, k1, end
@@ -104,22 +110,30 @@ def wrapped(start, end, offs, INDEX_64: tl.constexpr):
 
 
 @triton.jit
-def routed_rows(rows_ptr, weights_ptr, m0, m1, rows, in_rows, acc, ROUTE: tl.constexpr,
-                ROW_WEIGHTS: tl.constexpr, INDEX_64: tl.constexpr):
+def routed_rows(m0, m1, rows, targets, ROUTE: tl.constexpr, INDEX_64: tl.constexpr):
     """The output rows a tile of rows ``m0 + rows`` stores to, the bound they are masked
-    against, and acc scaled by each written row's weight (ROW_WEIGHTS). "scatter" writes sorted
-    row s to row rows_ptr[s] (rows past m1 to none); otherwise row s of C is row s."""
+    against, and each row's target (the row whose router weight it takes). "scatter" writes
+    sorted row s to row rows_ptr[s] (``targets``, loaded by the caller; rows past m1 to none);
+    otherwise row s of C is row s."""
     out_rows = widen(m0 + rows, INDEX_64)
     limit = m1
+    target = out_rows
     if ROUTE == "scatter":
-        target = widen(tl.load(rows_ptr + in_rows), INDEX_64)
+        target = widen(targets, INDEX_64)
         # Rows past the group are not stored: an index no output row reaches.
         limit = 2147483647
         out_rows = tl.where(m0 + rows < m1, target, limit)
-        if ROW_WEIGHTS:
-            weight = tl.load(weights_ptr + target).to(tl.float32)
-            acc = acc * weight[:, None]
-    return out_rows, limit, acc
+    return out_rows, limit, target
+
+
+@triton.jit
+def row_weighted(acc, weights_ptr, target, ROW_WEIGHTS: tl.constexpr):
+    """acc scaled by each target row's router weight (ROW_WEIGHTS), else acc (apart from
+    routed_rows, whose store addresses must not derive from acc, see group_end)."""
+    if ROW_WEIGHTS:
+        weight = tl.load(weights_ptr + target).to(tl.float32)
+        acc = acc * weight[:, None]
+    return acc
 
 
 @triton.jit
@@ -167,8 +181,11 @@ def pointer_tile(
     else:
         acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn,
                            SCALING)
-    out_rows, limit, acc = routed_rows(rows_ptr, weights_ptr, m0, m1, rows, in_rows, acc,
-                                       ROUTE, ROW_WEIGHTS, INDEX_64)
+    targets = in_rows
+    if ROUTE == "scatter":
+        targets = tl.load(rows_ptr + in_rows)
+    out_rows, limit, target = routed_rows(m0, m1, rows, targets, ROUTE, INDEX_64)
+    acc = row_weighted(acc, weights_ptr, target, ROW_WEIGHTS)
     store_epilogue(
         acc, c_ptr, bias_ptr, out_rows, widen(n0 + cols, INDEX_64), limit, n1,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
@@ -223,7 +240,10 @@ def grouped_mm_kernel(
     tiles_before = 0
     end = 0
     for g in range(0, G):
-        m0, m1, n0, n1, k0, k1, end = group_problem(offs_ptr, g, end, M, N, K, GROUPED)
+        entry = 0
+        if GROUPED != "none":
+            entry = tl.load(offs_ptr + g)
+        m0, m1, n0, n1, k0, k1, end = group_problem(entry, end, M, N, K, GROUPED)
         num_pid_m = tl.cdiv(m1 - m0, BLOCK_M)
         num_pid_n = tl.cdiv(n1 - n0, BLOCK_N)
         tiles_end = tiles_before + num_pid_m * num_pid_n
@@ -283,10 +303,13 @@ def grouped_mm_kernel(
                                    BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
                     else:
                         # (A scattering launch stores its rows through rows_ptr.)
-                        rows, limit, acc = routed_rows(
-                            rows_ptr, weights_ptr, m0, m1, pid_m * BLOCK_M
-                            + tl.arange(0, BLOCK_M), scale_rows, acc, ROUTE, ROW_WEIGHTS,
+                        targets = scale_rows
+                        if ROUTE == "scatter":
+                            targets = tl.load(rows_ptr + scale_rows)
+                        rows, limit, target = routed_rows(
+                            m0, m1, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), targets, ROUTE,
                             INDEX_64)
+                        acc = row_weighted(acc, weights_ptr, target, ROW_WEIGHTS)
                         store_epilogue(acc, c_g, bias_g, rows, cols, limit, n1, stride_cm,
                                        stride_cn, stride_bias_n, HAS_BIAS, "none")
                 # This program's first tile past the group, in its stride.
