@@ -191,8 +191,12 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv and
 # plans-h100-seed1-narrow.csv (one H100 SXM, torch 2.11, Triton 3.6): kernel-only times of every
 # plan of the plan space on 480 shapes, and of the narrow tiles on its 85 outputs under 64 columns.
+# The split-K reduction's cost is twice the fit's: timed as the benchmark times (CUDA graphs of
+# 64 calls), every tile split 1-32 ways on the sweep's 110 shapes of fewer output tiles than SMs
+# (docs/data/latency-splits-h100-seed1.csv), the model then picked plans 0.98x cuBLAS in
+# geomean against 0.94x (the plans it picked before) and 1.04x (the best of those timed).
 H100_COSTS = Costs(
-    launch_us={'reduce': 1.219, 'copy': 3.725},
+    launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
     tiles={
         ('portable', 16, 16, 4, 4): TileCost(1.765, 0.7165, 0.449),
