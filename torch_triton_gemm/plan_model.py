@@ -191,10 +191,14 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv and
 # plans-h100-seed1-narrow.csv (one H100 SXM, torch 2.11, Triton 3.6): kernel-only times of every
 # plan of the plan space on 480 shapes, and of the narrow tiles on its 85 outputs under 64 columns.
-# The split-K reduction's cost is twice the fit's: timed as the benchmark times (CUDA graphs of
-# 64 calls), every tile split 1-32 ways on the sweep's 110 shapes of fewer output tiles than SMs
-# (docs/data/latency-splits-h100-seed1.csv), the model then picked plans 0.98x cuBLAS in
-# geomean against 0.94x (the plans it picked before) and 1.04x (the best of those timed).
+# Two constants differ from the fit: the split-K reduction costs twice the fitted launch, and one
+# SM draws a third of the fitted bytes per microsecond (so a decode product still splits K to
+# stream its weights on more SMs). Timed as the benchmark times (CUDA graphs of 64 calls), every
+# tile split 1-32 ways on seed 1's 110 sweep shapes of fewer output tiles than SMs
+# (docs/data/latency-splits-h100-seed1.csv), the model then picked plans 0.97x cuBLAS in
+# geomean against 0.94x before (the best of those timed: 1.04x); on seeds 2 and 3 the 182
+# shapes whose plan changed ran 1.10x and 1.11x faster, same run
+# (docs/data/latency-splits-ab-h100-seed2-3.csv).
 H100_COSTS = Costs(
     launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
@@ -264,5 +268,5 @@ H100_COSTS = Costs(
         ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6578, 2.138),
         ('tma', 256, 128, 8, 3): TileCost(6.372, 0.8464, 3.223),
     },
-    machine=Machine(132, 2.46e+06, 9.727e+04),
+    machine=Machine(132, 2.46e+06, 3.21e+04),
 )
