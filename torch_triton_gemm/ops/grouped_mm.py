@@ -143,18 +143,22 @@ def grouped_eager_call(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | No
                        bias: torch.Tensor | None, out_dtype: torch.dtype | None, zero_tail: bool,
                        signature: tuple[Any, ...]) -> torch.Tensor:
     """``_grouped_mm_eager`` for a caller that has the call's ``grouped_eager_signature``."""
-
-    def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
-        out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
-        launch = prepare_grouped_launch(OP, a, b, offs, bias, out, zero_tail)
-        return out, None if launch is None else launch._replace(compiled={})
-
-    out, launch = memoised_eager_call(signature, first_call, a)
+    out, launch = memoised_eager_call(signature, _first_eager_call, a, b, offs, bias, out_dtype,
+                                      zero_tail)
     if offs is not None:
         check_offs_values(OP, a, b, offs)
     if launch is not None:
         run_grouped_launch(launch, a, b, offs, bias, out, False)
     return out
+
+
+def _first_eager_call(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype | None, zero_tail: bool
+                      ) -> tuple[torch.Tensor, GroupedLaunch | None]:
+    """The checks, the output and the launch to keep of a signature's first eager call."""
+    out = _grouped_mm_fake(a, b, offs, bias, out_dtype, zero_tail)  # the checks
+    launch = prepare_grouped_launch(OP, a, b, offs, bias, out, zero_tail)
+    return out, None if launch is None else launch._replace(compiled={})
 
 
 # --- registration -------------------------------------------------------------------------------

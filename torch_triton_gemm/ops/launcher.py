@@ -366,35 +366,27 @@ def kept(prepared: PreparedLaunch) -> PreparedLaunch:
     return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 2)))
 
 
-def remember(signature: tuple[Any, ...], out: torch.Tensor, prepared: Any) -> None:
-    """Memoise a first call's output layout and prepared launch under its ``signature``."""
-    if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
-        _EAGER_LAUNCHES.clear()
-    allocate = functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
-                                 dtype=out.dtype, device=out.device)
-    _EAGER_LAUNCHES[signature] = EagerEntry(allocate, prepared)
-
-
-def eager_entry(signature: tuple[Any, ...]) -> EagerEntry | None:
-    """The memo of an eager call's ``signature`` (see memoised_eager_call), if any."""
-    return _EAGER_LAUNCHES.get(signature)
-
-
 def memoised_eager_call(signature: tuple[Any, ...],
-                        first_call: Callable[[], tuple[torch.Tensor, Any]],
-                        like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                        first_call: Callable[..., tuple[torch.Tensor, Any]],
+                        *args: Any) -> tuple[torch.Tensor, Any]:
     """The output and the prepared launch (None: nothing to launch) of an eager GEMM call, from
     the memo of its ``signature``, which must fix everything the checks and the launch depend
     on (the op's name among them where two ops share a form; devices included, so the output
     is allocated where the first call's was).
 
-    The first call of a signature runs ``first_call``: the checks, then the output and the
-    prepared launch. Later calls only allocate the output, as the first call made it.
+    The first call of a signature runs ``first_call(*args)``: the checks, then the output and
+    the prepared launch. Later calls only allocate the output, as the first call made it. (A
+    function and its arguments rather than a closure: an eager call of a small GEMM cannot
+    afford to build one per call.)
     """
     known = _EAGER_LAUNCHES.get(signature)
     if known is None:
-        out, prepared = first_call()
-        remember(signature, out, prepared)
+        out, prepared = first_call(*args)
+        if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
+            _EAGER_LAUNCHES.clear()
+        allocate = functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
+                                     dtype=out.dtype, device=out.device)
+        _EAGER_LAUNCHES[signature] = EagerEntry(allocate, prepared)
         return out, prepared
     allocate, prepared = known
     return allocate(), prepared

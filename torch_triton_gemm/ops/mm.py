@@ -42,12 +42,11 @@ from .checks import (
 )
 from .launcher import (
     PreparedLaunch,
-    eager_entry,
     kept,
+    memoised_eager_call,
     needs_grad,
     plain_eager,
     prepare_launch,
-    remember,
     run_kept,
     run_launch,
     tensor_key,
@@ -147,13 +146,8 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
         return _allocate_and_launch(a, b, bias, activation, out_dtype, traceable=False)
     if signature is None:
         signature = mm_eager_signature(a, b, bias, activation, out_dtype)
-    known = eager_entry(signature)
-    if known is None:
-        out, prepared = _first_eager_call(a, b, bias, activation, out_dtype)
-        remember(signature, out, prepared)
-    else:
-        allocate, prepared = known
-        out = allocate()
+    out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, bias, activation,
+                                        out_dtype)
     if prepared is not None:
         run_kept(prepared, a, b, bias, out, None, None)
     return out

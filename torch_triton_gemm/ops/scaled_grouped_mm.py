@@ -259,24 +259,30 @@ def _scaled_grouped_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
                              use_fast_accum: bool = False) -> torch.Tensor:
     """The op body for eager calls on real tensors: the kernel launched without wrap_triton,
     checks and launch arithmetic memoised per call signature."""
-
-    def first_call() -> tuple[torch.Tensor, GroupedLaunch | None]:
-        form, out_dtype_checked, scales = _check_inputs(a, b, scale_a, scale_b, offs, bias,
-                                                        scale_result, out_dtype, use_fast_accum)
-        out = a.new_empty(out_shape(form, a, b, offs), dtype=out_dtype_checked)
-        launch = (prepare_fp8_grouped_precise(a, b, offs, bias, out, scales)
-                  or prepare_grouped_launch(OP, a, b, offs, bias, out, False, None, scales))
-        return out, None if launch is None else launch._replace(compiled={})
-
     signature = (OP, tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b),
                  tensor_key(offs), tensor_key(bias), tensor_key(scale_result), out_dtype,
                  bool(use_fast_accum))
-    out, launch = memoised_eager_call(signature, first_call, a)
+    out, launch = memoised_eager_call(signature, _first_eager_call, a, b, scale_a, scale_b,
+                                      offs, bias, scale_result, out_dtype, use_fast_accum)
     if offs is not None:
         check_offs_values(OP, a, b, offs)
     if launch is not None:
         run_grouped_launch(launch, a, b, offs, bias, out, False, scale_a, scale_b)
     return out
+
+
+def _first_eager_call(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b: torch.Tensor, offs: torch.Tensor | None,
+                      bias: torch.Tensor | None, scale_result: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, use_fast_accum: bool
+                      ) -> tuple[torch.Tensor, GroupedLaunch | None]:
+    """The checks, the output and the launch to keep of a signature's first eager call."""
+    form, out_dtype_checked, scales = _check_inputs(a, b, scale_a, scale_b, offs, bias,
+                                                    scale_result, out_dtype, use_fast_accum)
+    out = a.new_empty(out_shape(form, a, b, offs), dtype=out_dtype_checked)
+    launch = (prepare_fp8_grouped_precise(a, b, offs, bias, out, scales)
+              or prepare_grouped_launch(OP, a, b, offs, bias, out, False, None, scales))
+    return out, None if launch is None else launch._replace(compiled={})
 
 
 # --- registration -------------------------------------------------------------------------------

@@ -62,14 +62,13 @@ from .checks import (
 from .launcher import (
     GemmScales,
     PreparedLaunch,
-    eager_entry,
     kept,
     launch_kernel,
     launch_mm,
+    memoised_eager_call,
     needs_grad,
     plain_eager,
     prepare_launch,
-    remember,
     run_kept,
     tensor_key,
 )
@@ -415,14 +414,8 @@ def _scaled_mm_eager(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         return _allocate_and_launch(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
                                     traceable=False)
     signature = _eager_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-    known = eager_entry(signature)
-    if known is None:
-        out, prepared = _first_eager_call(a, b, scale_a, scale_b, bias, out_dtype,
-                                          use_fast_accum)
-        remember(signature, out, prepared)
-    else:
-        allocate, prepared = known
-        out = allocate()
+    out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, scale_a, scale_b,
+                                        bias, out_dtype, use_fast_accum)
     if prepared is not None:
         run_kept(prepared, a, b, bias, out, scale_a, scale_b)
     return out
