@@ -853,9 +853,11 @@ def test_native_fp4_query_matches_the_gpu():
 
 # --- Hopper's warp-specialized precise fp8 kernel -------------------------------------------------
 
-def test_fp8_precise_plans():
+def test_fp8_precise_plans(monkeypatch):
     """Which products the precise kernel takes (enough 128x128 tiles for the SMs), how many
-    consumer warpgroups, and stages that fit the shared memory with every output dtype."""
+    consumer warpgroups, and stages that fit the shared memory with every output dtype (an
+    H100's: 227 KB a block)."""
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 227 * 1024)
     assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
     assert tuning.fp8_precise_plan(16, 28672, 132, 2) is None  # decode: 16-row tiles
     # Grouped: the average group's rows pick the tile; small groups keep the Triton kernel.

@@ -211,9 +211,8 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
 
 
 # The warp-specialized precise fp8 kernel (kernels/wgmma_fp8.py): 64 output rows per consumer
-# warpgroup, 128 columns, 128-deep K steps; shared memory of the H100 (227 KB a block).
+# warpgroup, 128 columns, 128-deep K steps.
 FP8_PRECISE_KERNEL = "wgmma_fp8"
-_FP8_PRECISE_SHARED = 227 * 1024
 
 
 def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | None:
@@ -243,7 +242,7 @@ def _fp8_precise_tile(rows: int, out_size: int) -> TileConfig:
                 + consumers * 64 * block_n * out_size)
 
     stages = 4
-    while stages > 2 and shared(stages) > _FP8_PRECISE_SHARED:
+    while stages > 2 and shared(stages) > _device.shared_memory_per_block(0):
         stages -= 1
     # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.
     return TileConfig(64 * consumers, block_n, block_k // 2, 8, 4, stages)
