@@ -477,9 +477,9 @@ def test_tma_scratch_is_shared_per_stream_and_fresh_in_graph_captures():
 
 def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(monkeypatch):
     """Any plan is made valid for a recipe (blockwise K steps inside one scale block); the
-    heuristic picks the recipe's plan: 64x128 tiles two per SM for blockwise, 128x128 tiles
-    with 256-deep K steps for precise rowwise / tensorwise, its fp8 plan for fast
-    accumulation."""
+    heuristic picks the recipe's plan: 64x128 tiles two per SM for blockwise, split 64-wide
+    tiles for blockwise products of few rows and tiles, 128x128 tiles with 256-deep K steps for
+    precise rowwise / tensorwise, its fp8 plan for fast accumulation."""
     skinny = tuning.MMPlan("portable", tuning.TileConfig(16, 128, 256, 1, 4, 4), 4)
     assert tuning.scaled_plan(skinny, "block").tile.block_k == 128
     assert tuning.scaled_plan(skinny, "outer") == skinny
@@ -499,7 +499,14 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     blocked = plan("block")
     assert (blocked.tile.block_m, blocked.tile.block_n, blocked.tile.block_k) == (64, 128, 128)
     assert blocked.programs_per_sm == 2 and blocked.split_k == 1
-    assert plan("block", m=16) == plan("none", m=16)  # decode plans keep their tile
+    # Blockwise, few rows: 64-wide tiles of one scale block's K, split to about three waves
+    # (128 tiles: 3 x 132 // 128 = 3 splits), unless the tiles fill the SMs.
+    for m, n, rows in ((16, 8192, 16), (100, 4096, 64)):
+        small = tuning.heuristic_mm_plan(m, n, 8192, 1, True, 132, 2, scaling="block")
+        assert (small.kernel, small.tile.block_m, small.tile.block_n, small.tile.block_k,
+                small.split_k) == ("portable", rows, 64, 128, 3)
+    wide = tuning.heuristic_mm_plan(16, 28672, 4096, 1, True, 132, 2, scaling="block")
+    assert wide == tuning.heuristic_mm_plan(16, 28672, 4096, 1, True, 132, 2)
 
 
 @pytest.mark.parametrize("tiles, programs, stream_k, expected", [

@@ -281,7 +281,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
       its epilogue stored in two slices (wide L2 bands and 4 stages below two waves);
     - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles;
     - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
-      plans, see ``_scaled_tma_plan``.
+      plans, see ``_scaled_tma_plan``; blockwise products of at most 128 rows take
+      ``_blockwise_small_plan``.
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
@@ -292,6 +293,10 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         return -(-m // bm) * -(-n // bn)
 
     kernel = "portable"
+    if scaling == "block" and m <= BLOCKWISE_SMALL_ROWS:
+        small = _blockwise_small_plan(m, n, k, num_sms)
+        if small is not None:
+            return small
     if m <= 16:
         tile, split = _decode_tile_and_split(n, k, element_size, num_sms)
         tile = _fit_shared_memory(tile, element_size, _device.shared_memory_per_block(0))
@@ -362,6 +367,31 @@ def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling
         deep = TileConfig(128, 128, 256, tile.group_m, 8, 3)
         return MMPlan("tma", deep, _split_for(m, n, k, deep, num_sms, 1), epilogue_subtile=2)
     return plan
+
+
+# Blockwise fp8 products of at most this many rows run ``_blockwise_small_plan``.
+BLOCKWISE_SMALL_ROWS = 128
+# ... split until their units fill about this many waves of the SMs.
+BLOCKWISE_SMALL_WAVES = 3
+
+
+def _blockwise_small_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
+    """The plan of a blockwise fp8 product (1x128 / 128x128 scales) of at most 128 rows whose
+    64-wide tiles are fewer than the SMs, else None (the size rules' plan): 16-row (M <= 16)
+    or 64-row tiles 64 wide on the portable kernel, K steps of one scale block (128), K split
+    until the work units fill about three waves of SMs (at least 4 steps a split). Each K step
+    waits for its scales' loads, which Triton does not pipeline; several programs per SM hide
+    those waits where one wave of long programs does not. On an H100, the Llama-3-8B
+    projections at M = 16, 64 and 128 with fewer such tiles than SMs (6 of 12; every plan of
+    the space timed, docs/data/fp8-small-m-h100.csv) ran 0.58-1.16x torch._scaled_mm on the
+    size rules' plans (one wave of 256-deep steps) and 0.81-1.22x on these; wider outputs
+    already fill the SMs, and these tiles lost there (M = 64 x 28672: 0.77x against 0.99x)."""
+    tile = TileConfig(16 if m <= 16 else 64, 64, 128, 1 if m <= 16 else 4, 4, 4)
+    tiles = output_tiles(m, n, tile)
+    if tiles >= num_sms:
+        return None
+    split = max(1, min(BLOCKWISE_SMALL_WAVES * num_sms // tiles, _most_splits(k, tile.block_k)))
+    return MMPlan("portable", tile, split)
 
 
 # Decode tiles (M <= 16): 128 columns wide, or 64 wide with a deeper pipeline; both on the
