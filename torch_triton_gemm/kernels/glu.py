@@ -1,16 +1,18 @@
-"""The elementwise backward of a gated MLP's activation, act(gate) * up (tgemm::moe_mlp).
+"""The elementwise parts of a gated MLP's activation, act(gate) * up (tgemm::moe_mlp).
 
-One kernel, so that the backward pass holds no fp32 temporaries of the [S, 2I] pre-activations:
-it reads each slot's recomputed gate and up values and the gradient of the gated product, and
-writes the gradients of gate and up, the gated product scaled by the slot's router weight (the
-down projection's gradient reads it), and the router weight's gradient, a row-wise dot product
-summed in one program per row (deterministic).
+``glu_forward_kernel`` applies it to saved pre-activations (moe_mlp's training forward keeps
+them for the backward). ``glu_backward_kernel`` is one kernel, so that the backward pass holds
+no fp32 temporaries of the [S, 2I] pre-activations: it reads each slot's gate and up values
+and the gradient of the gated product, and writes the gradients of gate and up, the gated
+product scaled by the slot's router weight (the down projection's gradient reads it), and the
+router weight's gradient, a row-wise dot product summed in one program per row
+(deterministic).
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import activation_and_grad
+from .tiles import activation_and_grad, apply_activation
 
 
 @triton.jit
@@ -53,3 +55,22 @@ def glu_backward_kernel(
         tl.store(grad_rows + INTER + cols[None, :], (gw * act).to(grad_pre_ptr.dtype.element_ty),
                  mask=mask)
     tl.store(grad_weights_ptr + slot, dot, mask=in_rows)
+
+
+@triton.jit
+def glu_forward_kernel(
+    pre_ptr, h_ptr, S, INTER, stride_pre, stride_h,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Program (p, q) takes slots [p * BLOCK_M, (p + 1) * BLOCK_M) and columns
+    # [q * BLOCK_N, (q + 1) * BLOCK_N): h[:, n] = act(pre[:, n]) * pre[:, INTER + n], in fp32.
+    rows = tl.program_id(axis=0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < S)[:, None] & (cols < INTER)[None, :]
+    rows_64 = rows.to(tl.int64)
+    pre_rows = pre_ptr + rows_64[:, None] * stride_pre
+    gate = tl.load(pre_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(pre_rows + INTER + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = apply_activation(gate, ACTIVATION) * up
+    tl.store(h_ptr + rows_64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=mask)

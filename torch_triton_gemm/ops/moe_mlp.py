@@ -23,8 +23,15 @@ Contract:
   scales each slot's row by its router weight in its epilogue and writes it at the slot's own
   place of a [T, k, H] buffer, which a sum over k (fixed order) reduces to out.
 
-Backward: the gate/up pre-activations are recomputed (the gather launch without the gated
-epilogue) rather than saved, so the forward keeps only its inputs. grad_out's rows are gathered
+Training: calls of ``moe_mlp`` that need gradients run tgemm::moe_mlp_train, whose first
+launch stores the gate/up pre-activations ([T * k, 2I], in x's dtype; an elementwise kernel
+then gives act(gate) * up) and returns them beside out, so that the backward reads them
+instead of running that launch again (a third of the forward's FLOPs). Its output differs from
+the no-grad launch's by the pre-activations' rounding only. Called as an op with gradients,
+tgemm::moe_mlp keeps only its inputs and its backward recomputes the pre-activations (the
+gather launch without the gated epilogue), to the same bits.
+
+Backward: grad_out's rows are gathered
 inside the launch that multiplies them by w2; one elementwise kernel (kernels/glu.py) then
 gives the gradients of gate and up (router weight applied), the router weights' gradient (a
 row-wise dot of act(gate) * up with grad_out @ w2, one program per row: deterministic) and
@@ -34,7 +41,8 @@ tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x's and grad_out's rows
 
 This module reads top to bottom: checks, routing, the routed grouped product
 (tgemm::moe_routed_mm, used by the backward), the gated activation's backward
-(tgemm::moe_glu_backward), the op body and fake, autograd, public API.
+(tgemm::moe_glu_backward) and forward, the op bodies (tgemm::moe_mlp, tgemm::moe_mlp_train)
+and fakes, autograd, public API.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import torch
 
 from .. import device as _device
 from .. import tuning
-from ..kernels.glu import glu_backward_kernel
+from ..kernels.glu import glu_backward_kernel, glu_forward_kernel
 from ._registry import define_triton_op
 from .checks import check, check_value
 from .grouped_launch import (
@@ -58,6 +66,7 @@ from .launcher import launch_kernel
 OP = "tgemm::moe_mlp"
 ROUTED_OP = "tgemm::moe_routed_mm"
 GLU_BACKWARD_OP = "tgemm::moe_glu_backward"
+TRAIN_OP = "tgemm::moe_mlp_train"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = ("silu", "gelu")
@@ -244,6 +253,22 @@ def _glu_backward_impl(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Ten
 glu_backward_op = define_triton_op(GLU_BACKWARD_OP, _glu_backward_impl, _glu_backward_fake)
 
 
+def glu_forward(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """kernels/glu.py: act(gate) * up, [S, I], of saved pre-activations [S, 2I] (unit column
+    stride), in pre's dtype; launched traceably (the training op's body)."""
+    slots, width = pre.shape
+    h = pre.new_empty(slots, width // 2)
+    if slots == 0 or width == 0:
+        return h
+    # The elementwise forward takes the backward's tile.
+    block_m, block_n, num_warps = tuning.glu_backward_tile()
+    grid = ((slots + block_m - 1) // block_m, (width // 2 + block_n - 1) // block_n)
+    launch_kernel(glu_forward_kernel, grid,
+                  (pre, h, slots, width // 2, pre.stride(0), h.stride(0), activation),
+                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, True)
+    return h
+
+
 # --- the op body --------------------------------------------------------------------------------
 
 def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -252,25 +277,55 @@ def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
     return x.new_empty(x.shape)
 
 
+def _down_and_combine(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                      order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The second launch and the combine: h times w2, each row scaled by its router weight and
+    written at its slot (the slots of no expert, past offs[-1], get zeros), summed over k."""
+    tokens, top_k = topk_weights.shape
+    y = h.new_empty(order.shape[0], w2.shape[1])
+    weights = topk_weights.reshape(-1).contiguous()
+    launch_routed(h, w2.transpose(-2, -1), offs, order, weights, y, "scatter", "none", True,
+                  traceable=True)
+    return y.view(tokens, top_k, w2.shape[1]).sum(1)
+
+
 def _moe_mlp_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
-    tokens, top_k = topk_ids.shape
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     # Launch 1: gathered rows of x times gate and up columns, act(gate) * up in the epilogue.
     h = x.new_empty(order.shape[0], w2.shape[2])
     launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
                   False, traceable=True)
-    # Launch 2: h times w2, each row scaled by its router weight and written at its slot; the
-    # slots of no expert (past offs[-1]) get zeros.
-    y = x.new_empty(order.shape[0], x.shape[1])
-    weights = topk_weights.reshape(-1).contiguous()
-    launch_routed(h, w2.transpose(-2, -1), offs, order, weights, y, "scatter", "none", True,
-                  traceable=True)
-    return y.view(tokens, top_k, x.shape[1]).sum(1)
+    return _down_and_combine(h, w2, offs, order, topk_weights)
 
 
 moe_mlp_op = define_triton_op(OP, _moe_mlp_impl, _moe_mlp_fake)
+
+
+def _moe_mlp_train_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+    return x.new_empty(x.shape), x.new_empty(topk_ids.numel(), w13.shape[1])
+
+
+def _moe_mlp_train_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, the sorted slots' gate/up pre-activations [T * k, 2I], zeros for slots of no
+    expert): the first launch stores the pre-activations instead of act(gate) * up, which
+    glu_forward then computes, so that the backward reads them instead of recomputing them."""
+    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+    order, token_rows, offs = route(topk_ids, w13.shape[0])
+    pre = x.new_empty(order.shape[0], w13.shape[1])
+    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, pre, "gather", "none", True,
+                  traceable=True)
+    out = _down_and_combine(glu_forward(pre, activation), w2, offs, order, topk_weights)
+    return out, pre
+
+
+moe_mlp_train_op = define_triton_op(TRAIN_OP, _moe_mlp_train_impl, _moe_mlp_train_fake)
 
 
 # --- autograd -----------------------------------------------------------------------------------
@@ -281,22 +336,49 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
 
 
+def _setup_train_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w13, w2, topk_ids, topk_weights, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
+    ctx.set_materialize_grads(False)  # the pre-activations' gradient is None unless used
+
+
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
-    x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
+    return _gradients(ctx, ctx.saved_tensors, grad_out, None, None)
+
+
+def _backward_train(ctx, grad_out: torch.Tensor | None,  # type: ignore[no-untyped-def]
+                    grad_pre_out: torch.Tensor | None):
+    x, w13, w2, topk_ids, topk_weights, pre = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(x)
+    return _gradients(ctx, (x, w13, w2, topk_ids, topk_weights), grad_out, pre, grad_pre_out)
+
+
+def _gradients(ctx, saved: tuple[torch.Tensor, ...],  # type: ignore[no-untyped-def]
+               grad_out: torch.Tensor, pre: torch.Tensor | None,
+               grad_pre_out: torch.Tensor | None):
+    """The gradients of x, w13, w2 and topk_weights, from the saved pre-activations or
+    (``pre`` None) recomputed ones; ``grad_pre_out``: a gradient of the training op's
+    pre-activation output, where something used it."""
+    x, w13, w2, topk_ids, topk_weights = saved
     need_x, need_w13, need_w2, _, need_weights = ctx.needs_input_grad[:5]
-    dtype = x.dtype
     tokens, top_k = topk_ids.shape
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     routed = torch.ops.tgemm.moe_routed_mm
-    grad = grad_out.to(dtype)
-    # Recomputed pre-activations, [S, 2I], and grad_out's rows gathered by slot times w2, the
-    # gradient of act(gate) * up before the router weight, [S, I] (zeros for slots of no
-    # expert, so that everything derived from them is zero too).
-    pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
+    grad = grad_out.to(x.dtype)
+    # The pre-activations, [S, 2I] (recomputed: the gather launch without the gated epilogue),
+    # and grad_out's rows gathered by slot times w2, the gradient of act(gate) * up before the
+    # router weight, [S, I] (zeros for slots of no expert, so that everything derived from them
+    # is zero too).
+    if pre is None:
+        pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
     grad_h = routed(grad, w2, offs, token_rows, None, "gather", "none", True)
     weights = topk_weights.reshape(-1).contiguous()
     h_weighted, grad_pre, grad_weights = torch.ops.tgemm.moe_glu_backward(
         pre, grad_h, weights, order, ctx.activation)
+    if grad_pre_out is not None:
+        grad_pre = grad_pre + grad_pre_out.to(grad_pre.dtype)
     grad_x = grad_w13 = grad_w2 = None
     if need_x:
         per_slot = routed(grad_pre, w13, offs, order, None, "scatter", "none", True)
@@ -311,6 +393,7 @@ def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
 
 
 moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+moe_mlp_train_op.register_autograd(_backward_train, setup_context=_setup_train_context)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -345,5 +428,8 @@ def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     if validate_ids:
         _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
         check_ids_in_range(topk_ids, w13.shape[0])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+        # Training: keep the pre-activations for the backward rather than recompute them.
+        return torch.ops.tgemm.moe_mlp_train(x, w13, w2, topk_ids, topk_weights, activation)[0]
     return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
 
