@@ -377,16 +377,21 @@ def _gradients(ctx, saved: tuple[torch.Tensor, ...],  # type: ignore[no-untyped-
     weights = topk_weights.reshape(-1).contiguous()
     h_weighted, grad_pre, grad_weights = torch.ops.tgemm.moe_glu_backward(
         pre, grad_h, weights, order, ctx.activation)
+    # Each [S, I]-sized buffer goes as soon as it is used (the peak is reached beside the
+    # weight gradients): grad_h and recomputed pre-activations now, h_weighted after w2's.
+    del grad_h, pre
+    grad_x = grad_w13 = grad_w2 = None
+    if need_w2:
+        grad_w2 = grouped_mm(grad.index_select(0, token_rows).t(), h_weighted, offs)
+    del h_weighted
     if grad_pre_out is not None:
         grad_pre = grad_pre + grad_pre_out.to(grad_pre.dtype)
-    grad_x = grad_w13 = grad_w2 = None
     if need_x:
         per_slot = routed(grad_pre, w13, offs, order, None, "scatter", "none", True)
         grad_x = per_slot.view(tokens, top_k, x.shape[1]).sum(1)
+        del per_slot
     if need_w13:
         grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
-    if need_w2:
-        grad_w2 = grouped_mm(grad.index_select(0, token_rows).t(), h_weighted, offs)
     grad_weights = (grad_weights.view(tokens, top_k).to(topk_weights.dtype) if need_weights
                     else None)
     return grad_x, grad_w13, grad_w2, None, grad_weights, None
