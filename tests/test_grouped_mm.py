@@ -207,7 +207,7 @@ def test_loader_choice(device):
 
 def test_heuristic_tiles(monkeypatch):
     """The GPU tile choice by a group's average size (see tuning.heuristic_grouped_tile): 16- and
-    64-row tiles for small groups, 128x256 for wide MoE outputs loaded by TMA, 128x128
+    64-row tiles for small groups, 128x256 for wide MoE outputs loaded by TMA or gathered, 128x128
     otherwise; BLOCK_K rescaled per dtype; stages shed to fit smaller shared memories."""
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     h100_smem = 232448
@@ -220,6 +220,9 @@ def test_heuristic_tiles(monkeypatch):
     for out_size in (2, 4):
         assert tile(4096, 14336, 2, True, out_size) == tile(4096, 14336, 2, True)
     assert tile(4096, 14336, 2, False) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
+    # moe_mlp's gathered rows (pointer loaders) take the wide tile too, narrow outputs do not.
+    assert tile(1024, 28672, 2, False, gathered=True) == tuning.TileConfig(128, 256, 64, 16, 8, 3)
+    assert tile(1024, 1024, 2, False, gathered=True) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
     assert tile(4096, 1024, 2, True) == tuning.TileConfig(128, 128, 64, 8, 8, 4)
     assert tile(127, 14336, 2, True).block_m == 64
     assert tile(1, 4096, 2, True).block_m == 16

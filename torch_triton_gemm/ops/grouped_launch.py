@@ -360,9 +360,12 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
     gated = routing is not None and routing.gate != "none"
+    gathered = (routing is not None and routing.mode == "gather"
+                and _device.supports_tma(a.device))
     tile, c_tma = choose_tile(form, G, M, 2 * N if gated else N, a.element_size(),
                               tma and _device.supports_tma(a.device),
-                              out.element_size() if c_tma else 0, num_sms(a.device), fp32_steps)
+                              out.element_size() if c_tma else 0, num_sms(a.device), fp32_steps,
+                              gathered)
     if gated:
         # The tile's accumulator holds both halves: the tile chosen for 2N columns, N wide.
         tile = dataclasses.replace(tile, block_n=max(16, tile.block_n // 2))
@@ -445,19 +448,19 @@ def prepare_fp8_grouped_precise(a: torch.Tensor, b: torch.Tensor, offs: torch.Te
 
 
 def choose_tile(form: str, G: Any, M: Any, N: Any, element_size: int, tma: bool,
-                tma_out_size: int, num_sms: int,
-                fp32_steps: bool = False) -> tuple[tuning.TileConfig, bool]:
+                tma_out_size: int, num_sms: int, fp32_steps: bool = False,
+                gathered: bool = False) -> tuple[tuning.TileConfig, bool]:
     """The heuristic's tile for a group's average extents (offs' values stay on the device),
     and whether C goes out through TMA (``tma_out_size``: C's element size where it can, else
-    0); one tile and pointer stores for all sizes when they are symbolic. ``fp32_steps``: see
-    ``tuning.heuristic_grouped_tile``."""
+    0); one tile and pointer stores for all sizes when they are symbolic. ``fp32_steps`` and
+    ``gathered``: see ``tuning.heuristic_grouped_tile``."""
     if any(type(x) is not int for x in (G, M, N)):
         return tuning.symbolic_tile(element_size), False
     groups = max(G, 1)
     m_per_group = M // groups if form == "m" else M
     n_per_group = N // groups if form == "n" else N
     tile = tuning.heuristic_grouped_tile(m_per_group, n_per_group, element_size, tma,
-                                         tma_out_size, fp32_steps)
+                                         tma_out_size, fp32_steps, gathered)
     return tile, tma_out_size > 0 and tuning.grouped_tma_store(tile, m_per_group, n_per_group,
                                                                num_sms)
 
