@@ -240,6 +240,88 @@ def test_a_long_wait_is_reported_once(monkeypatch, caplog):
     pool.reset()
 
 
+def test_the_primer_runs_once_and_compilations_wait_for_it():
+    """The one-time cost every compilation needs (Triton's fingerprint of its installation)
+    runs on its own thread; a launch's wait and the workers wait for it instead of repeating
+    it, and the pool is busy until it ends."""
+    release = threading.Event()
+    order = []
+
+    def primer() -> None:
+        assert release.wait(10)
+        order.append("primer")
+
+    pool = compile_pool.CompilePool(lambda name: order.append(name), workers=2)
+    pool.prime(primer)
+    pool.prime(primer)  # once per pool
+    assert pool.busy
+    future = pool.submit("k", "k")
+    time.sleep(0.1)
+    assert order == [] and not future.done()  # the worker waits for the primer
+    threading.Timer(0.2, release.set).start()
+    begin = time.perf_counter()
+    pool.wait("other")  # a launch of a variant nobody compiles: waits for the primer only
+    assert time.perf_counter() - begin >= 0.15 and order[0] == "primer"
+    pool.drain(10)
+    assert order == ["primer", "k"]
+    for _ in range(500):
+        if not pool.busy:
+            break
+        time.sleep(0.01)
+    assert not pool.busy
+    pool.reset()
+
+
+def test_a_failing_primer_is_left_to_the_compilations():
+    def primer() -> None:
+        raise OSError("unreadable")
+
+    pool = compile_pool.CompilePool(lambda name: None, workers=1)
+    pool.prime(primer)
+    pool.drain(10)
+    assert pool.submit("k", "k").result(10) is None
+    pool.reset()
+
+
+def test_a_forked_child_waits_for_none_of_the_parents_threads():
+    """A child forked while the primer and a compilation ran has neither thread: it forgets
+    them (a launch there compiles its variant itself) instead of waiting forever."""
+    release = threading.Event()
+    pool = compile_pool.CompilePool(lambda name: release.wait(10), workers=1)
+    pool.prime(lambda: None)
+    pool.drain(10)
+    running = pool.submit("k", "k")
+    # As in the child: the primer's thread ended (it is gone), the worker's future never ends.
+    pool._after_fork_in_child()
+    assert not pool.busy and pool._primer is None and pool.future("k") is None
+    assert pool.wait("k") == 0.0
+    release.set()
+    running.result(10)
+    pool.reset()
+
+
+def test_priming_only_where_kernels_compile(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", raising=False)
+    monkeypatch.setattr(compile_pool._device, "interpreter_enabled", lambda: False)
+    assert compile_pool.priming_enabled()
+    monkeypatch.setenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "0")
+    assert not compile_pool.priming_enabled()
+    monkeypatch.delenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE")
+    monkeypatch.setattr(compile_pool._device, "interpreter_enabled", lambda: True)
+    assert not compile_pool.priming_enabled()
+    monkeypatch.setattr(compile_pool._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert not compile_pool.priming_enabled()
+
+
+def test_the_fingerprint_is_tritons_own():
+    import triton.runtime.cache as triton_cache
+
+    assert compile_pool.triton_fingerprint() == triton_cache.triton_key()
+
+
 def test_variant_keys_follow_triton_specialisation():
     key = compile_pool.variant_key
     aligned = OperandSpec((4, 4), (4, 1), DTYPE, torch.device("cpu"))

@@ -8,6 +8,13 @@ compiles into the same in-memory cache that launches read, launching nothing. Tr
 compilation is CPU-bound: the LLVM and ptxas stages run without the GIL, so threads compile
 several variants at once.
 
+Triton's first compilation or cache lookup in a process also fingerprints Triton's own
+installation (it hashes its sources and libraries into every kernel's cache key: about 0.35 s
+on an H100's host, a third of a warm-cache process's first training step). Importing the
+package starts that on a daemon thread (``prime``, CUDA builds of torch only), so the first GEMM
+finds it done; a launch or worker that needs it sooner waits for that thread rather than
+hashing a second time.
+
 Rules: a variant is compiled once (a call that needs it while it compiles waits for that
 compilation rather than starting its own); a call never waits for other variants (one still
 queued is taken back, and the call compiles it itself); Triton caches a kernel only once it is
@@ -17,6 +24,7 @@ compilation says so once per process on the ``torch_triton_gemm`` logger.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -26,6 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from .. import device as _device
 
 LOG = logging.getLogger("torch_triton_gemm")
 NOTICE_S = 1.0  # waits on compilation longer than this are reported (once)
@@ -65,9 +75,10 @@ class CompilePool:
         self._executor: ThreadPoolExecutor | None = None
         self._noticed = False
         self._unfinished = 0
-        # Whether some variant is queued or compiling: launches look here first, and find
-        # nothing to wait for (no key to work out) once the pool is idle.
+        # Whether some variant is queued or compiling (or the primer runs): launches look here
+        # first, and find nothing to wait for (no key to work out) once the pool is idle.
         self.busy = False
+        self._primer: threading.Thread | None = None
 
     def workers(self) -> int:
         """The worker threads: TORCH_TRITON_GEMM_COMPILE_THREADS, else half the CPU cores (the
@@ -78,6 +89,47 @@ class CompilePool:
         if env:
             return max(1, int(env))
         return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+    def prime(self, job: Callable[[], Any]) -> None:
+        """Run ``job``, a one-time cost that compilations wait for, on a daemon thread now
+        (once per pool); ``wait`` and the workers wait for it before they go on. Its failure is
+        left to the compilation that runs into it again."""
+        with self._lock:
+            if self._primer is not None:
+                return
+            self._primer = threading.Thread(target=self._run_primer, args=(job,), daemon=True,
+                                            name="tgemm-prime")
+            self._unfinished += 1
+            self.busy = True
+        self._primer.start()
+
+    def _run_primer(self, job: Callable[[], Any]) -> None:
+        try:
+            job()
+        except Exception:  # noqa: BLE001 -- the next compilation meets it and reports it
+            pass
+        finally:
+            self._finished(None)
+
+    def _await_primer(self) -> None:
+        primer = self._primer
+        if primer is not None and primer.is_alive() and primer is not threading.current_thread():
+            primer.join()
+
+    def _after_fork_in_child(self) -> None:
+        # A fork's child has no threads but the forking one: the primer and the compilations
+        # still running in the parent run nowhere here, so nothing may wait for them (a variant
+        # is compiled again on demand; the fingerprint by Triton when it needs it).
+        if self._primer is not None and not self._primer.is_alive():
+            self._primer = None
+        self._futures = {k: f for k, f in self._futures.items() if f.done()}
+        self._executor = None
+        self._lock = threading.RLock()
+        self._unfinished, self.busy = 0, False
+
+    def _run(self, *job: Any) -> Any:
+        self._await_primer()
+        return self._compile(*job)
 
     def submit(self, key: Hashable, *job: Any) -> Future:
         """Compile the variant ``key`` with ``compile(*job)`` on a worker, unless it was
@@ -91,16 +143,17 @@ class CompilePool:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.workers(),
                                                     thread_name_prefix="tgemm-compile")
-            future = self._executor.submit(self._compile, *job)
+            future = self._executor.submit(self._run, *job)
             self._futures[key] = future
             self._unfinished += 1
             self.busy = True
         future.add_done_callback(self._finished)
         return future
 
-    def _finished(self, future: Future) -> None:
+    def _finished(self, future: Future | None) -> None:
         with self._lock:
-            self._unfinished -= 1
+            # (Never below zero: a job forgotten after a fork, see _after_fork_in_child.)
+            self._unfinished = max(0, self._unfinished - 1)
             self.busy = self._unfinished > 0
 
     def future(self, key: Hashable) -> Future | None:
@@ -111,6 +164,7 @@ class CompilePool:
         take it back if it is still queued (the caller then compiles it, never waiting for
         other variants). Returns the seconds waited; a failed compilation is left to the
         caller's own, which raises its error."""
+        self._await_primer()
         future = self._futures.get(key)
         if future is None or future.done():
             return 0.0
@@ -141,7 +195,9 @@ class CompilePool:
             "Reported once.", seconds, what)
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait for every submitted variant (failures are left to the launches)."""
+        """Wait for the primer and every submitted variant (failures are left to the
+        launches)."""
+        self._await_primer()
         for future in list(self._futures.values()):
             try:
                 future.result(timeout)
@@ -178,4 +234,28 @@ def prepare_kernel(kernel: Any, device: int) -> None:
             caches[device]  # noqa: B018 -- a defaultdict: reading it creates the entry
 
 
+def triton_fingerprint() -> Any:
+    """Triton's fingerprint of its installation (``triton_key``, cached per process), computed
+    now; None where this Triton has none to compute ahead."""
+    for module in ("triton.runtime.cache", "triton.compiler.compiler"):
+        key = getattr(importlib.import_module(module), "triton_key", None)
+        if key is not None:
+            return key()
+    return None
+
+
+def priming_enabled() -> bool:
+    """Whether importing the package fingerprints Triton ahead: CUDA (or ROCm) builds of torch
+    (asked without initialising CUDA), not the interpreter, unless
+    TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0."""
+    if os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0":
+        return False
+    if _device.interpreter_enabled():
+        return False
+    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+
+
 POOL = CompilePool(compile_variant)
+os.register_at_fork(after_in_child=POOL._after_fork_in_child)
+if priming_enabled():
+    POOL.prime(triton_fingerprint)
