@@ -507,6 +507,21 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
                 small.split_k) == ("portable", rows, 64, 128, 3)
     wide = tuning.heuristic_mm_plan(16, 28672, 4096, 1, True, 132, 2, scaling="block")
     assert wide == tuning.heuristic_mm_plan(16, 28672, 4096, 1, True, 132, 2)
+    # Tensorwise / rowwise, 33-256 rows: 64x64 portable tiles while they fill at most 3.5
+    # waves; 256-deep steps (K split to fill the SMs) up to one wave, 128-deep and 5 stages
+    # beyond. Not where 256+ rows have a wave of 128x128 TMA tiles, nor with more tiles.
+    def outer(m, n, k, fast=False):
+        p = tuning.heuristic_mm_plan(m, n, k, 1, True, 132, 2, scaling="outer", fast_accum=fast)
+        return p.kernel, p.tile.block_m, p.tile.block_n, p.tile.block_k, p.tile.num_stages, \
+            p.split_k
+    assert outer(128, 4096, 4096) == ("portable", 64, 64, 256, 4, 1)  # 128 tiles
+    assert outer(64, 4096, 4096) == ("portable", 64, 64, 256, 4, 2)  # 64 tiles: split
+    assert outer(64, 28672, 4096, True) == ("portable", 64, 64, 128, 5, 1)  # 448 tiles
+    assert outer(256, 4096, 14336) == ("portable", 64, 64, 128, 5, 1)
+    assert outer(256, 6144, 4096)[:2] == ("tma", 128)  # 96 TMA tiles of 128x128
+    assert outer(128, 28672, 4096, True)[:2] == ("tma", 128)  # 896 narrow tiles
+    assert outer(32, 4096, 4096) == outer(32, 4096, 4096, True)
+    assert outer(32, 4096, 4096)[1] == 32  # decode rows keep their tiles
 
 
 @pytest.mark.parametrize("tiles, programs, stream_k, expected", [

@@ -282,7 +282,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles;
     - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
       plans, see ``_scaled_tma_plan``; blockwise products of at most 128 rows take
-      ``_blockwise_small_plan``.
+      ``_blockwise_small_plan``, tensorwise and rowwise ones of 33-256 rows
+      ``_fp8_narrow_plan``.
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
@@ -297,6 +298,10 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         small = _blockwise_small_plan(m, n, k, num_sms)
         if small is not None:
             return small
+    if scaling == "outer" and FP8_NARROW_MIN_ROWS < m <= FP8_NARROW_MAX_ROWS:
+        narrow = _fp8_narrow_plan(m, n, k, num_sms)
+        if narrow is not None:
+            return narrow
     if m <= 16:
         tile, split = _decode_tile_and_split(n, k, element_size, num_sms)
         tile = _fit_shared_memory(tile, element_size, _device.shared_memory_per_block(0))
@@ -392,6 +397,52 @@ def _blockwise_small_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None
         return None
     split = max(1, min(BLOCKWISE_SMALL_WAVES * num_sms // tiles, _most_splits(k, tile.block_k)))
     return MMPlan("portable", tile, split)
+
+
+# Tensorwise and rowwise fp8 products of more rows than this and at most FP8_NARROW_MAX_ROWS
+# may take ``_fp8_narrow_plan``: while its 64x64 tiles fill FP8_NARROW_MIN_WAVES to
+# FP8_NARROW_MAX_WAVES waves of the SMs (FP8_NARROW_MAX_WAVES_WIDE above 128 rows).
+FP8_NARROW_MIN_ROWS = 32
+FP8_NARROW_MAX_ROWS = 256
+FP8_NARROW_MIN_WAVES = 0.7
+FP8_NARROW_MAX_WAVES = 3.5
+FP8_NARROW_MAX_WAVES_WIDE = 2.0
+
+
+def _fp8_narrow_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
+    """The plan of a tensorwise or rowwise fp8 product (``scaling`` "outer") of 33-256 rows
+    on 64x64 tiles of the portable kernel, or None (the size rules' plan). It applies while
+    those tiles fill 0.7 to 3.5 waves of the SMs (up to 2 waves above 128 rows, and there
+    only where too few 128x128 tiles for the TMA kernel's plans, 0.7 of a wave, leave the size
+    rules at 64x128): up to one wave, 256-deep K steps and 4 stages, unsplit; beyond, 128-deep
+    steps and 5 stages.
+
+    On an H100, fitted on every plan of the space at M = 16-512 on the Llama-3-8B projections
+    (docs/data/fp8-small-m-h100.csv): 64-row tiles beat the size rules' 128-row ones at M = 128
+    (o 13.6 -> 10.6 us, torch._scaled_mm 9.4; qkv 15.4 -> 14.4), 128x128 TMA tiles half full of
+    rows at M = 64 (gate_up 56.0 -> 46.4, torch 47.3), and 64x128 tiles at M = 256 (o 15.7 ->
+    13.3, down 48.6 -> 41.0). Its bounds come from shapes outside that data (M = 40-256 x eight
+    N, K; docs/data/fp8-narrow-ab-h100.csv): fewer 64x64 tiles than 0.7 of a wave lost to
+    128-row tiles split in K (96 x 1536 x 7168: 13.3 against 11.4 us), and 2.4 waves of them at
+    M = 256 to 64x128 tiles (256 x 5120 x 5120: 29.4 against 25.7). On a third set, held out
+    from these bounds (M = 48-240 x eight other N, K; docs/data/fp8-narrow-ab2-h100.csv), the
+    72 products whose plan it changes ran 1.13x faster, 0.81x -> 0.91x torch, none slower by
+    more than 2%."""
+    def tiles(bm: int, bn: int) -> int:
+        return -(-m // bm) * -(-n // bn)
+
+    waves = tiles(64, 64) / num_sms
+    wide = m > 128
+    if (waves < FP8_NARROW_MIN_WAVES
+            or waves > (FP8_NARROW_MAX_WAVES_WIDE if wide else FP8_NARROW_MAX_WAVES)
+            or wide and tiles(128, 128) >= 0.7 * num_sms):
+        return None
+    smem = _device.shared_memory_per_block(0)
+    if waves <= 1:
+        tile = TileConfig(64, 64, 128, 4, 4, 4)
+    else:
+        tile = TileConfig(64, 64, 64, 4, 4, 5)
+    return MMPlan("portable", _fit_shared_memory(_for_dtype(tile, 1), 1, smem))
 
 
 # Decode tiles (M <= 16): 128 columns wide, or 64 wide with a deeper pipeline; both on the
