@@ -426,8 +426,7 @@ def _fp8_narrow_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
     128-row tiles split in K (96 x 1536 x 7168: 13.3 against 11.4 us), and 2.4 waves of them at
     M = 256 to 64x128 tiles (256 x 5120 x 5120: 29.4 against 25.7). On a third set, held out
     from these bounds (M = 48-240 x eight other N, K; docs/data/fp8-narrow-ab2-h100.csv), the
-    72 products whose plan it changes ran 1.13x faster, 0.81x -> 0.91x torch, none slower by
-    more than 2%."""
+    72 products whose plan it changes ran 1.13x faster, 0.81x -> 0.91x torch, none slower."""
     def tiles(bm: int, bn: int) -> int:
         return -(-m // bm) * -(-n // bn)
 
