@@ -239,36 +239,58 @@ def test_gradcheck_fp32(device, highest_fp32):
 
 
 def test_training_forward_keeps_pre_activations_for_the_backward(device, highest_fp32):
-    """Calls that need gradients run tgemm::moe_mlp_train, which returns the sorted slots'
-    pre-activations beside out; its backward reads them where the op's recomputes them, to the
-    same bits. The op path still gives gradients (by recomputing)."""
+    """Calls that need gradients run tgemm::moe_gate_up (the sorted slots' pre-activations and
+    the routing) and tgemm::moe_down; the backward reads the pre-activations where the op's
+    recomputes them, to the same bits. The op path still gives gradients (by recomputing)."""
     s = make_sample(device, torch.float16, tokens=24, top_k=3, empty_expert=True)
     x, w13, w2, weights = _leaves(s)
     grad_out = randn(tuple(s.x.shape), s.x.dtype, s.x.device)
-    out, pre = torch.ops.tgemm.moe_mlp_train(x, w13, w2, s.ids, weights, "silu")
+    pre, *routing = torch.ops.tgemm.moe_gate_up(x, w13, s.ids)
     order, tokens, offs = moe_module.route(s.ids, E)
+    assert all(torch.equal(a, b) for a, b in zip(routing, (order, tokens, offs)))
     expected = torch.ops.tgemm.moe_routed_mm(s.x, s.w13.transpose(1, 2), offs, tokens, None,
                                              "gather", "none", True)
     assert torch.equal(pre, expected)
+    out, *down_routing = torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "silu")
+    assert all(torch.equal(a, b) for a, b in zip(down_routing, (order, tokens, offs)))
     kept = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
     recomputed = torch.autograd.grad(torch.ops.tgemm.moe_mlp(x, w13, w2, s.ids, weights),
                                      (x, w13, w2, weights), grad_out)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
-    public = torch.autograd.grad(tg.moe_mlp(x, w13, w2, s.ids, weights),
-                                 (x, w13, w2, weights), grad_out)
-    for a, b in zip(kept, public):
+    public = tg.moe_mlp(x, w13, w2, s.ids, weights)
+    assert torch.equal(public, out)
+    for a, b in zip(kept, torch.autograd.grad(public, (x, w13, w2, weights), grad_out)):
         assert torch.equal(a, b)
 
 
+def test_only_the_down_half_keeps_the_pre_activations(device):
+    """The pre-activations are saved by the down half's autograd node alone, which autograd
+    frees once that node's backward ran, before the gate/up half's backward allocates w13's
+    gradient (the forward + backward's peak memory)."""
+    s = make_sample(device, torch.float16, tokens=8)
+    x, w13, w2, weights = _leaves(s)
+    out = tg.moe_mlp(x, w13, w2, s.ids, weights)
+    pre_shape = (s.ids.numel(), 2 * INTER)
+    down = out.grad_fn
+    gate_up = next(f for f, _ in down.next_functions if f is not None and f.name() != down.name()
+                   and "AccumulateGrad" not in f.name())
+    assert any(tuple(t.shape) == pre_shape for t in down.saved_tensors)
+    assert not any(tuple(t.shape) == pre_shape for t in gate_up.saved_tensors)
+
+
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # fp32 on purpose: the op has no fp64
-def test_training_op_gradcheck_through_both_outputs(device, highest_fp32):
-    """A use of the pre-activation output adds its gradient to the backward's own."""
+def test_training_ops_gradcheck_through_the_pre_activations(device, highest_fp32):
+    """The two training ops composed, with the pre-activations also used outside: their
+    gradients add up."""
     s = make_sample(device, torch.float32, tokens=4, hidden=8, inter=8, experts=3)
-    assert torch.autograd.gradcheck(
-        lambda x, w13, w2, weights: torch.ops.tgemm.moe_mlp_train(x, w13, w2, s.ids, weights,
-                                                                  "gelu"),
-        _leaves(s), eps=1e-2, atol=5e-3, rtol=5e-3, nondet_tol=0.0, fast_mode=True)
+
+    def both(x, w13, w2, weights):  # type: ignore[no-untyped-def]
+        pre = torch.ops.tgemm.moe_gate_up(x, w13, s.ids)[0]
+        return torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "gelu")[0], pre
+
+    assert torch.autograd.gradcheck(both, _leaves(s), eps=1e-2, atol=5e-3, rtol=5e-3,
+                                    nondet_tol=0.0, fast_mode=True)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -285,7 +307,7 @@ def _bad_inputs(device: str) -> list[tuple[tuple, dict, type, str]]:
          f"{op}: topk_weights must have topk_ids' shape (6, 2), got (6, 1)"),
         ((x.double(), w13, w2, ids, weights), {}, ValueError, f"{op}: x has dtype torch.float64"),
         ((x, w13.float(), w2, ids, weights), {}, ValueError,
-         f"{op}: w13 (torch.float32) and w2 (torch.float16) must have x's dtype torch.float16"),
+         f"{op}: w13 (torch.float32) must have x's dtype torch.float16"),
         ((x, w13, w2, ids.float(), weights), {}, ValueError,
          f"{op}: topk_ids must be int32 or int64, got torch.float32"),
         ((x, w13, w2, ids, weights.double()), {}, ValueError,
@@ -325,7 +347,11 @@ def test_opcheck(device):
             args[0] = s.x.detach().requires_grad_()
             args[4] = s.weights.detach().requires_grad_()
         torch.library.opcheck(torch.ops.tgemm.moe_mlp.default, (*args, "silu"))
-        torch.library.opcheck(torch.ops.tgemm.moe_mlp_train.default, (*args, "gelu"))
+        torch.library.opcheck(torch.ops.tgemm.moe_gate_up.default, (args[0], args[1], args[3]))
+        pre = randn((s.ids.numel(), 2 * INTER), torch.float16, device)
+        if requires_grad:
+            pre.requires_grad_()
+        torch.library.opcheck(torch.ops.tgemm.moe_down.default, (pre, *args[2:], "gelu"))
     order, tokens, offs = moe_module.route(s.ids, E)
     torch.library.opcheck(torch.ops.tgemm.moe_routed_mm.default,
                           (s.x, s.w13.transpose(1, 2), offs, tokens, None, "gather", "silu",
@@ -354,7 +380,8 @@ def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp
     compiled = torch.compile(block, backend=record, fullgraph=True)
     loss = compiled(leaves[0], leaves[1], leaves[2], s.ids, leaves[3])
     grads = torch.autograd.grad(loss, leaves)
-    assert "tgemm.moe_mlp" in graphs[0].code
+    # Training: the two halves (see test_training_forward_keeps_pre_activations_...).
+    assert "tgemm.moe_gate_up" in graphs[0].code and "tgemm.moe_down" in graphs[0].code
     eager_loss = block(leaves[0], leaves[1], leaves[2], s.ids, leaves[3])
     assert torch.equal(loss, eager_loss)
     for g, e in zip(grads, torch.autograd.grad(eager_loss, leaves)):

@@ -127,9 +127,11 @@ def check_all(prefix):
               t(96, dtype=fp32), t(4, 48, dtype=fp32), offs(16, 40, 40, 96))
     check(prefix + "moe_mlp", lambda x, w13, w2, i, w: tg.moe_mlp(x, w13, w2, i, w), t(96, 64),
           t(4, 96, 64), t(4, 64, 48), ids(96, 2, 4), t(96, 2, dtype=fp32))
-    check(prefix + "moe_mlp_train",
-          lambda x, w13, w2, i, w: torch.ops.tgemm.moe_mlp_train(x, w13, w2, i, w, "silu"),
-          t(96, 64), t(4, 96, 64), t(4, 64, 48), ids(96, 2, 4), t(96, 2, dtype=fp32))
+    check(prefix + "moe_gate_up", lambda x, w13, i: torch.ops.tgemm.moe_gate_up(x, w13, i),
+          t(96, 64), t(4, 96, 64), ids(96, 2, 4))
+    check(prefix + "moe_down",
+          lambda p, w2, i, w: torch.ops.tgemm.moe_down(p, w2, i, w, "silu"),
+          t(192, 96), t(4, 64, 48), ids(96, 2, 4), t(96, 2, dtype=fp32))
     check(prefix + "moe_glu_backward",
           lambda p, g, w, o: torch.ops.tgemm.moe_glu_backward(p, g, w, o, "silu"),
           t(192, 96), t(192, 48), t(192, dtype=fp32), t(192, dtype=torch.int32))
@@ -155,7 +157,7 @@ def test_traced_launches_write_only_what_the_op_allocates():
             label, rest = line.split(" launches ")
             launches, tma = rest.split(" tma ")
             counts[label] = (int(launches), int(tma))
-    assert len(counts) == 2 * 22, lines
+    assert len(counts) == 2 * 23, lines
     # Every op traced into kernel launches (none fell back to an opaque op), and as on an H100
     # the TMA variants were among them.
     assert all(launches >= 1 for launches, _ in counts.values()), counts

@@ -23,13 +23,16 @@ Contract:
   scales each slot's row by its router weight in its epilogue and writes it at the slot's own
   place of a [T, k, H] buffer, which a sum over k (fixed order) reduces to out.
 
-Training: calls of ``moe_mlp`` that need gradients run tgemm::moe_mlp_train, whose first
-launch stores the gate/up pre-activations ([T * k, 2I], in x's dtype; an elementwise kernel
-then gives act(gate) * up) and returns them beside out, so that the backward reads them
-instead of running that launch again (a third of the forward's FLOPs). Its output differs from
-the no-grad launch's by the pre-activations' rounding only. Called as an op with gradients,
-tgemm::moe_mlp keeps only its inputs and its backward recomputes the pre-activations (the
-gather launch without the gated epilogue), to the same bits.
+Training: calls of ``moe_mlp`` that need gradients run two ops, tgemm::moe_gate_up (the
+first launch, storing the gate/up pre-activations [T * k, 2I] in x's dtype) and tgemm::moe_down
+(an elementwise kernel gives act(gate) * up, then the second launch and the combine), so that
+the backward reads the pre-activations instead of running the first launch again (a third of
+the forward's FLOPs), and autograd frees them once the down half's backward has used them,
+before the gate/up half's allocates w13's gradient. Each returns its routing (order, token
+rows, offs) beside its output, which its backward reuses. The output differs from the no-grad
+launch's by the pre-activations' rounding only. Called as an op with gradients, tgemm::moe_mlp
+keeps only its inputs and its backward recomputes the pre-activations (the gather launch
+without the gated epilogue), to the same bits.
 
 Backward: grad_out's rows are gathered
 inside the launch that multiplies them by w2; one elementwise kernel (kernels/glu.py) then
@@ -41,8 +44,8 @@ tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x's and grad_out's rows
 
 This module reads top to bottom: checks, routing, the routed grouped product
 (tgemm::moe_routed_mm, used by the backward), the gated activation's backward
-(tgemm::moe_glu_backward) and forward, the op bodies (tgemm::moe_mlp, tgemm::moe_mlp_train)
-and fakes, autograd, public API.
+(tgemm::moe_glu_backward) and forward, the op bodies (tgemm::moe_mlp, tgemm::moe_gate_up,
+tgemm::moe_down) and fakes, autograd, public API.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ from .launcher import launch_kernel
 OP = "tgemm::moe_mlp"
 ROUTED_OP = "tgemm::moe_routed_mm"
 GLU_BACKWARD_OP = "tgemm::moe_glu_backward"
-TRAIN_OP = "tgemm::moe_mlp_train"
+GATE_UP_OP = "tgemm::moe_gate_up"
+DOWN_OP = "tgemm::moe_down"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
 ACTIVATIONS = ("silu", "gelu")
@@ -76,44 +80,66 @@ _INT32_LIMIT = 2**31 - 1
 # --- checks -------------------------------------------------------------------------------------
 
 def _check_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor, activation: str) -> None:
+                  topk_weights: torch.Tensor, activation: str, op: str = OP) -> None:
     """Shapes, dtypes, devices and the activation (also under FakeTensor and symbolic shapes);
     the ids' values are data (see the module docstring)."""
     check(x.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
-          lambda: f"{OP}: x must be 2-D [T, H], w13 3-D [E, 2I, H] and w2 3-D [E, H, I]; got "
+          lambda: f"{op}: x must be 2-D [T, H], w13 3-D [E, 2I, H] and w2 3-D [E, H, I]; got "
                    f"x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    _check_gate_up(x, w13, topk_ids, op)
+    _check_down(w2, w13.shape[0], x.shape[1], w13.shape[1] // 2, x, topk_ids, topk_weights,
+                activation, op, "x")
+
+
+def _check_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+                   op: str = GATE_UP_OP) -> None:
+    """The checks of x, w13 and topk_ids (see ``_check_inputs``)."""
+    check(x.dim() == 2 and w13.dim() == 3,
+          lambda: f"{op}: x must be 2-D [T, H] and w13 3-D [E, 2I, H]; got x {tuple(x.shape)}, "
+                   f"w13 {tuple(w13.shape)}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
-          lambda: f"{OP}: topk_ids must be [T, k] with T = {x.shape[0]} (x's rows), got "
+          lambda: f"{op}: topk_ids must be [T, k] with T = {x.shape[0]} (x's rows), got "
                    f"{tuple(topk_ids.shape)}")
-    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
-          lambda: f"{OP}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
-                   f"{tuple(topk_weights.shape)}")
     check_value(x.dtype in INPUT_DTYPES,
-                lambda: f"{OP}: x has dtype {x.dtype}; supported: {INPUT_DTYPES}")
-    check_value(w13.dtype == x.dtype and w2.dtype == x.dtype,
-                lambda: f"{OP}: w13 ({w13.dtype}) and w2 ({w2.dtype}) must have x's dtype "
-                         f"{x.dtype}")
+                lambda: f"{op}: x has dtype {x.dtype}; supported: {INPUT_DTYPES}")
+    check_value(w13.dtype == x.dtype,
+                lambda: f"{op}: w13 ({w13.dtype}) must have x's dtype {x.dtype}")
     check_value(topk_ids.dtype in ID_DTYPES,
-                lambda: f"{OP}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+                lambda: f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    _, width, hidden = w13.shape
+    check(hidden == x.shape[1],
+          lambda: f"{op}: w13 is [E, 2I, H] with H = {hidden} but x has {x.shape[1]} columns")
+    check(width % 2 == 0,
+          lambda: f"{op}: w13 must stack gate and up rows, [E, 2I, H]; got {width} rows")
+    for name, t in (("w13", w13), ("topk_ids", topk_ids)):
+        check(t.device == x.device,
+              lambda name=name, t=t: f"{op}: {name} is on {t.device} but x is on {x.device}")
+    slots = topk_ids.numel()
+    check(slots <= _INT32_LIMIT, lambda: f"{op}: T * k = {slots} slots exceed int32 indexing")
+
+
+def _check_down(w2: torch.Tensor, experts: int, hidden: int, inter: int, x: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str,
+                op: str = DOWN_OP, name: str = "pre") -> None:
+    """The checks of w2 ([experts, hidden, inter], the dtype and device of ``x``, which the
+    messages call ``name``), topk_weights and the activation (see ``_check_inputs``)."""
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+          lambda: f"{op}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                   f"{tuple(topk_weights.shape)}")
+    check_value(w2.dtype == x.dtype,
+                lambda: f"{op}: w2 ({w2.dtype}) must have {name}'s dtype {x.dtype}")
     check_value(topk_weights.dtype in INPUT_DTYPES,
-                lambda: f"{OP}: topk_weights has dtype {topk_weights.dtype}; supported: "
+                lambda: f"{op}: topk_weights has dtype {topk_weights.dtype}; supported: "
                          f"{INPUT_DTYPES}")
     check_value(activation in ACTIVATIONS,
-                lambda: f"{OP}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    experts, width, hidden = w13.shape
-    check(hidden == x.shape[1],
-          lambda: f"{OP}: w13 is [E, 2I, H] with H = {hidden} but x has {x.shape[1]} columns")
-    check(width % 2 == 0,
-          lambda: f"{OP}: w13 must stack gate and up rows, [E, 2I, H]; got {width} rows")
-    check(tuple(w2.shape) == (experts, x.shape[1], width // 2),
-          lambda: f"{OP}: w2 must be [E, H, I] = {(experts, x.shape[1], width // 2)}, got "
+                lambda: f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check(w2.dim() == 3 and tuple(w2.shape) == (experts, hidden, inter),
+          lambda: f"{op}: w2 must be [E, H, I] = {(experts, hidden, inter)}, got "
                    f"{tuple(w2.shape)}")
-    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids),
-                    ("topk_weights", topk_weights)):
+    for what, t in (("w2", w2), ("topk_weights", topk_weights)):
         check(t.device == x.device,
-              lambda name=name, t=t: f"{OP}: {name} is on {t.device} but x is on {x.device}")
-    slots = topk_ids.numel()
-    check(slots <= _INT32_LIMIT, lambda: f"{OP}: T * k = {slots} slots exceed int32 indexing")
+              lambda what=what, t=t: f"{op}: {what} is on {t.device} but {name} is on "
+                                     f"{x.device}")
 
 
 def check_ids_in_range(topk_ids: torch.Tensor, experts: int) -> None:
@@ -306,29 +332,73 @@ def _moe_mlp_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 moe_mlp_op = define_triton_op(OP, _moe_mlp_impl, _moe_mlp_fake)
 
 
-def _moe_mlp_train_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
-    return x.new_empty(x.shape), x.new_empty(topk_ids.numel(), w13.shape[1])
+# The training path: two ops, so that autograd frees the pre-activations (saved by the second)
+# once its backward has used them, before the first one's backward allocates w13's gradient.
+# Each returns its routing (order, token rows, offs) beside its output for its own backward.
+
+def _routing_fakes(x: torch.Tensor, topk_ids: torch.Tensor,
+                   experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots = topk_ids.numel()
+    index = dict(dtype=torch.int32, device=x.device)
+    return x.new_empty(slots, **index), x.new_empty(slots, **index), x.new_empty(experts, **index)
 
 
-def _moe_mlp_train_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                        activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, the sorted slots' gate/up pre-activations [T * k, 2I], zeros for slots of no
-    expert): the first launch stores the pre-activations instead of act(gate) * up, which
-    glu_forward then computes, so that the backward reads them instead of recomputing them."""
-    _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+def _moe_gate_up_fake(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_gate_up(x, w13, topk_ids)
+    return (x.new_empty(topk_ids.numel(), w13.shape[1]),
+            *_routing_fakes(x, topk_ids, w13.shape[0]))
+
+
+def _moe_gate_up_impl(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the sorted slots' gate/up pre-activations [T * k, 2I], zeros for slots of no expert;
+    order, token rows, offs): the first launch, storing the pre-activations."""
+    _check_gate_up(x, w13, topk_ids)
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
     launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, pre, "gather", "none", True,
                   traceable=True)
+    return pre, order, token_rows, offs
+
+
+moe_gate_up_op = define_triton_op(GATE_UP_OP, _moe_gate_up_impl, _moe_gate_up_fake)
+
+
+def _check_down_op(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, activation: str) -> None:
+    check(pre.dim() == 2 and pre.shape[0] == topk_ids.numel() and pre.shape[1] % 2 == 0,
+          lambda: f"{DOWN_OP}: pre must be [T * k, 2I] = [{topk_ids.numel()}, 2I], got "
+                   f"{tuple(pre.shape)}")
+    check_value(pre.dtype in INPUT_DTYPES,
+                lambda: f"{DOWN_OP}: pre has dtype {pre.dtype}; supported: {INPUT_DTYPES}")
+    check(topk_ids.dim() == 2 and topk_ids.dtype in ID_DTYPES and topk_ids.device == pre.device,
+          lambda: f"{DOWN_OP}: topk_ids must be int32 or int64 [T, k] on {pre.device}")
+    check(w2.dim() == 3, lambda: f"{DOWN_OP}: w2 must be 3-D [E, H, I], got {tuple(w2.shape)}")
+    _check_down(w2, w2.shape[0], w2.shape[1], pre.shape[1] // 2, pre, topk_ids, topk_weights,
+                activation)
+
+
+def _moe_down_fake(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, activation: str = "silu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_down_op(pre, w2, topk_ids, topk_weights, activation)
+    return (pre.new_empty(topk_ids.shape[0], w2.shape[1]),
+            *_routing_fakes(pre, topk_ids, w2.shape[0]))
+
+
+def _moe_down_impl(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, activation: str = "silu"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, H]; order, token rows, offs): act(gate) * up of the pre-activations (an
+    elementwise kernel), then the second launch and the combine."""
+    _check_down_op(pre, w2, topk_ids, topk_weights, activation)
+    order, token_rows, offs = route(topk_ids, w2.shape[0])
     out = _down_and_combine(glu_forward(pre, activation), w2, offs, order, topk_weights)
-    return out, pre
+    return out, order, token_rows, offs
 
 
-moe_mlp_train_op = define_triton_op(TRAIN_OP, _moe_mlp_train_impl, _moe_mlp_train_fake)
+moe_down_op = define_triton_op(DOWN_OP, _moe_down_impl, _moe_down_fake)
 
 
 # --- autograd -----------------------------------------------------------------------------------
@@ -339,69 +409,111 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights)
 
 
-def _setup_train_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, w13, w2, topk_ids, topk_weights, activation = inputs
-    ctx.activation = activation
-    ctx.save_for_backward(x, w13, w2, topk_ids, topk_weights, output[1])
-    ctx.set_materialize_grads(False)  # the pre-activations' gradient is None unless used
-
-
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
-    return _gradients(ctx, ctx.saved_tensors, grad_out, None, None)
-
-
-def _backward_train(ctx, grad_out: torch.Tensor | None,  # type: ignore[no-untyped-def]
-                    grad_pre_out: torch.Tensor | None):
-    x, w13, w2, topk_ids, topk_weights, pre = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(x)
-    return _gradients(ctx, (x, w13, w2, topk_ids, topk_weights), grad_out, pre, grad_pre_out)
-
-
-def _gradients(ctx, saved: tuple[torch.Tensor, ...],  # type: ignore[no-untyped-def]
-               grad_out: torch.Tensor, pre: torch.Tensor | None,
-               grad_pre_out: torch.Tensor | None):
-    """The gradients of x, w13, w2 and topk_weights, from the saved pre-activations or
-    (``pre`` None) recomputed ones; ``grad_pre_out``: a gradient of the training op's
-    pre-activation output, where something used it."""
-    x, w13, w2, topk_ids, topk_weights = saved
+    """tgemm::moe_mlp's backward: both halves' gradients, recomputing the pre-activations
+    (the gather launch without the gated epilogue), freed once the down half has used them."""
+    x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
     need_x, need_w13, need_w2, _, need_weights = ctx.needs_input_grad[:5]
-    tokens, top_k = topk_ids.shape
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     routed = torch.ops.tgemm.moe_routed_mm
-    grad = grad_out.to(x.dtype)
-    # The pre-activations, [S, 2I] (recomputed: the gather launch without the gated epilogue),
-    # and grad_out's rows gathered by slot times w2, the gradient of act(gate) * up before the
-    # router weight, [S, I] (zeros for slots of no expert, so that everything derived from them
-    # is zero too).
-    if pre is None:
-        pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
-    grad_h = routed(grad, w2, offs, token_rows, None, "gather", "none", True)
-    weights = topk_weights.reshape(-1).contiguous()
-    h_weighted, grad_pre, grad_weights = torch.ops.tgemm.moe_glu_backward(
-        pre, grad_h, weights, order, ctx.activation)
-    # Each [S, I]-sized buffer goes as soon as it is used (the peak is reached beside the
-    # weight gradients): grad_h and recomputed pre-activations now, h_weighted after w2's.
-    del grad_h, pre
-    grad_x = grad_w13 = grad_w2 = None
-    if need_w2:
-        grad_w2 = grouped_mm(grad.index_select(0, token_rows).t(), h_weighted, offs)
-    del h_weighted
-    if grad_pre_out is not None:
-        grad_pre = grad_pre + grad_pre_out.to(grad_pre.dtype)
-    if need_x:
-        per_slot = routed(grad_pre, w13, offs, order, None, "scatter", "none", True)
-        grad_x = per_slot.view(tokens, top_k, x.shape[1]).sum(1)
-        del per_slot
-    if need_w13:
-        grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
-    grad_weights = (grad_weights.view(tokens, top_k).to(topk_weights.dtype) if need_weights
-                    else None)
+    pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
+    grad_pre, grad_w2, grad_weights = _down_gradients(
+        grad_out, pre, w2, topk_weights, order, token_rows, offs, ctx.activation, need_w2,
+        need_weights)
+    del pre
+    grad_x, grad_w13 = _gate_up_gradients(grad_pre, x, w13, order, token_rows, offs,
+                                          topk_ids.shape[1], need_x, need_w13)
     return grad_x, grad_w13, grad_w2, None, grad_weights, None
 
 
+def _setup_gate_up_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, w13, topk_ids = inputs
+    _, order, token_rows, offs = output
+    ctx.top_k = topk_ids.shape[1]
+    ctx.save_for_backward(x, w13, order, token_rows, offs)
+    ctx.set_materialize_grads(False)  # the routing outputs have no gradient
+
+
+def _backward_gate_up(ctx, grad_pre: torch.Tensor | None,  # type: ignore[no-untyped-def]
+                      *_routing_grads: object):
+    x, w13, order, token_rows, offs = ctx.saved_tensors
+    if grad_pre is None:
+        return None, None, None
+    need_x, need_w13 = ctx.needs_input_grad[:2]
+    grad_x, grad_w13 = _gate_up_gradients(grad_pre, x, w13, order, token_rows, offs, ctx.top_k,
+                                          need_x, need_w13)
+    return grad_x, grad_w13, None
+
+
+def _setup_down_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    pre, w2, topk_ids, topk_weights, activation = inputs
+    _, order, token_rows, offs = output
+    ctx.activation = activation
+    ctx.save_for_backward(pre, w2, topk_weights, order, token_rows, offs)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_down(ctx, grad_out: torch.Tensor | None,  # type: ignore[no-untyped-def]
+                   *_routing_grads: object):
+    pre, w2, topk_weights, order, token_rows, offs = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None
+    need_pre, need_w2, _, need_weights = ctx.needs_input_grad[:4]
+    grad_pre, grad_w2, grad_weights = _down_gradients(
+        grad_out, pre, w2, topk_weights, order, token_rows, offs, ctx.activation, need_w2,
+        need_weights)
+    return grad_pre if need_pre else None, grad_w2, None, grad_weights, None
+
+
+def _down_gradients(grad_out: torch.Tensor, pre: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, order: torch.Tensor, token_rows: torch.Tensor,
+                    offs: torch.Tensor, activation: str, need_w2: bool, need_weights: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of the pre-activations [S, 2I], w2 and topk_weights.
+
+    grad_out's rows gathered by slot times w2 give the gradient of act(gate) * up before the
+    router weight, [S, I] (zeros for slots of no expert, so that everything derived from them is
+    zero too); one elementwise kernel turns it into the pre-activations' gradient, w * act(gate)
+    * up for w2's gradient and the router weights' gradient. Each [S, I]-sized buffer goes as
+    soon as it is used."""
+    tokens, top_k = topk_weights.shape
+    grad = grad_out.to(pre.dtype)
+    grad_h = torch.ops.tgemm.moe_routed_mm(grad, w2, offs, token_rows, None, "gather", "none",
+                                           True)
+    weights = topk_weights.reshape(-1).contiguous()
+    h_weighted, grad_pre, grad_weights = torch.ops.tgemm.moe_glu_backward(
+        pre, grad_h, weights, order, activation)
+    del grad_h
+    grad_w2 = None
+    if need_w2:
+        grad_w2 = grouped_mm(grad.index_select(0, token_rows).t(), h_weighted, offs)
+    del h_weighted
+    grad_weights = (grad_weights.view(tokens, top_k).to(topk_weights.dtype) if need_weights
+                    else None)
+    return grad_pre, grad_w2, grad_weights
+
+
+def _gate_up_gradients(grad_pre: torch.Tensor, x: torch.Tensor, w13: torch.Tensor,
+                       order: torch.Tensor, token_rows: torch.Tensor, offs: torch.Tensor,
+                       top_k: int, need_x: bool, need_w13: bool
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of x (the scattering launch and the sum over k) and w13 (the 2-D x 2-D
+    grouped product on gathered rows of x) from the pre-activations' gradient."""
+    grad_x = grad_w13 = None
+    grad_pre = grad_pre.to(x.dtype)
+    if need_x:
+        per_slot = torch.ops.tgemm.moe_routed_mm(grad_pre, w13, offs, order, None, "scatter",
+                                                 "none", True)
+        grad_x = per_slot.view(x.shape[0], top_k, x.shape[1]).sum(1)
+        del per_slot
+    if need_w13:
+        grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
+    return grad_x, grad_w13
+
+
 moe_mlp_op.register_autograd(_backward, setup_context=_setup_context)
-moe_mlp_train_op.register_autograd(_backward_train, setup_context=_setup_train_context)
+moe_gate_up_op.register_autograd(_backward_gate_up, setup_context=_setup_gate_up_context)
+moe_down_op.register_autograd(_backward_down, setup_context=_setup_down_context)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -438,6 +550,7 @@ def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
         check_ids_in_range(topk_ids, w13.shape[0])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
         # Training: keep the pre-activations for the backward rather than recompute them.
-        return torch.ops.tgemm.moe_mlp_train(x, w13, w2, topk_ids, topk_weights, activation)[0]
+        pre = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids)[0]
+        return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation)[0]
     return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
 
