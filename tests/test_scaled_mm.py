@@ -615,7 +615,7 @@ def test_traced_without_interpreter_exposes_the_kernel():
 
 _COMPILE_SCRIPT = """
 from hopper_compile import compile_for as compile_for_target
-from torch_triton_gemm.kernels.matmul import mm_tma_kernel
+from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel
 from torch_triton_gemm.kernels.scaled import scaled_mm_kernel
 
 POINTER = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "e2m1": "*u8", "fp32": "*fp32", "e8m0": "*u8"}
@@ -650,6 +650,13 @@ compile_for(mm_tma_kernel, 90, "e5m2", "fp32", (128, 128, 128, 8, 3), SCALING="o
             SA_ROWS=1, SB_COLS=1, FAST_ACCUM=True, **gemm)
 compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="block",
             SA_ROWS=1, SB_COLS=128, FAST_ACCUM=False, **gemm)
+# Blockwise on the pointer loaders: 64-row tiles load each step's scales a step ahead, 16-row
+# tiles in the step (kernels/tiles.py's k_loop).
+portable = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=True, SA_ROWS=1, SB_COLS=128,
+                FAST_ACCUM=False)
+for rows in (64, 16):
+    compile_for(mm_kernel, 90, "e4m3", "fp32", (rows, 64, 128, 4, 4), SCALING="block",
+                **portable)
 # Microscaled formats on their own kernel.
 micro = dict(FORMAT_A="e2m1", FORMAT_B="e2m1")
 compile_for(scaled_mm_kernel, 90, "e2m1", "e4m3", (128, 128, 64, 8, 3), SCALING="micro",
@@ -666,10 +673,12 @@ def test_kernel_compiles_for_hopper_and_blackwell():
     if torch.cuda.is_available():
         pytest.skip("compiles for fixed GPU targets on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).split("\n")
-    assert out[:5] == [
+    assert out[:7] == [
         "90 outer e4m3 fp32 warp_group_dot tma True",
         "90 outer e5m2 fp32 warp_group_dot tma True",
         "90 block e4m3 fp32 warp_group_dot tma True",
+        "90 block e4m3 fp32 warp_group_dot pointers True",
+        "90 block e4m3 fp32 none pointers True",  # 16 rows: below a warpgroup MMA's 64
         "90 micro e2m1 e4m3 warp_group_dot pointers True",
         "100 micro_native e2m1 e8m0 tc_gen5_mma_scaled pointers True",
     ], out
