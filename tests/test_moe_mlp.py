@@ -337,6 +337,29 @@ def test_bad_input_raises_before_launch(device, case, monkeypatch):
         tg.moe_mlp(*args, **kwargs)
 
 
+def test_training_ops_check_their_inputs(device):
+    """tgemm::moe_gate_up and tgemm::moe_down name themselves and what is wrong."""
+    s = make_sample(device, torch.float16, tokens=6)
+    x, w13, w2, ids, weights = s.args()
+    pre = torch.zeros(ids.numel(), 2 * INTER, dtype=x.dtype, device=device)
+    cases = [
+        (lambda: torch.ops.tgemm.moe_gate_up(x[0], w13, ids), "tgemm::moe_gate_up: x must be 2-D"),
+        (lambda: torch.ops.tgemm.moe_gate_up(x, w13, ids[:5]),
+         "tgemm::moe_gate_up: topk_ids must be [T, k] with T = 6"),
+        (lambda: torch.ops.tgemm.moe_down(pre[1:], w2, ids, weights),
+         f"tgemm::moe_down: pre must be [T * k, 2I] = [{ids.numel()}, 2I]"),
+        (lambda: torch.ops.tgemm.moe_down(pre[:, :-2], w2, ids, weights),
+         "tgemm::moe_down: w2 must be [E, H, I]"),
+        (lambda: torch.ops.tgemm.moe_down(pre, w2.float(), ids, weights),
+         "tgemm::moe_down: w2 (torch.float32) must have pre's dtype torch.float16"),
+        (lambda: torch.ops.tgemm.moe_down(pre, w2, ids, weights[:, :1]),
+         "tgemm::moe_down: topk_weights must have topk_ids' shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises((RuntimeError, ValueError), match=re.escape(message)):
+            call()
+
+
 # --- opcheck, graph capture ---------------------------------------------------------------------
 
 def test_opcheck(device):

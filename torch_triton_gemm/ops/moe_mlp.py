@@ -374,6 +374,8 @@ def _check_down_op(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 lambda: f"{DOWN_OP}: pre has dtype {pre.dtype}; supported: {INPUT_DTYPES}")
     check(topk_ids.dim() == 2 and topk_ids.dtype in ID_DTYPES and topk_ids.device == pre.device,
           lambda: f"{DOWN_OP}: topk_ids must be int32 or int64 [T, k] on {pre.device}")
+    check(topk_ids.numel() <= _INT32_LIMIT,
+          lambda: f"{DOWN_OP}: T * k = {topk_ids.numel()} slots exceed int32 indexing")
     check(w2.dim() == 3, lambda: f"{DOWN_OP}: w2 must be 3-D [E, H, I], got {tuple(w2.shape)}")
     _check_down(w2, w2.shape[0], w2.shape[1], pre.shape[1] // 2, pre, topk_ids, topk_weights,
                 activation)
