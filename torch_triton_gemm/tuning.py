@@ -146,7 +146,12 @@ def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 def output_tiles(m: Any, n: Any, tile: TileConfig) -> Any:
     """How many of ``tile``'s [block_m, block_n] tiles cover an m x n output (sizes may be
     symbolic)."""
-    return ((m + tile.block_m - 1) // tile.block_m) * ((n + tile.block_n - 1) // tile.block_n)
+    return tile_count(m, n, tile.block_m, tile.block_n)
+
+
+def tile_count(m: Any, n: Any, block_m: int, block_n: int) -> Any:
+    """How many [block_m, block_n] tiles cover an m x n output (sizes may be symbolic)."""
+    return ((m + block_m - 1) // block_m) * ((n + block_n - 1) // block_n)
 
 
 def stream_k_tiles(tiles: int, programs: int, stream_k: int) -> int:
@@ -291,7 +296,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
 
     def tiles(bm: int, bn: int) -> int:
-        return -(-m // bm) * -(-n // bn)
+        return tile_count(m, n, bm, bn)
 
     kernel = "portable"
     if scaling == "block" and m <= BLOCKWISE_SMALL_ROWS:
@@ -427,14 +432,11 @@ def _fp8_narrow_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
     M = 256 to 64x128 tiles (256 x 5120 x 5120: 29.4 against 25.7). On a third set, held out
     from these bounds (M = 48-240 x eight other N, K; docs/data/fp8-narrow-ab2-h100.csv), the
     72 products whose plan it changes ran 1.13x faster, 0.81x -> 0.91x torch, none slower."""
-    def tiles(bm: int, bn: int) -> int:
-        return -(-m // bm) * -(-n // bn)
-
-    waves = tiles(64, 64) / num_sms
+    waves = tile_count(m, n, 64, 64) / num_sms
     wide = m > 128
     if (waves < FP8_NARROW_MIN_WAVES
             or waves > (FP8_NARROW_MAX_WAVES_WIDE if wide else FP8_NARROW_MAX_WAVES)
-            or wide and tiles(128, 128) >= 0.7 * num_sms):
+            or wide and tile_count(m, n, 128, 128) >= 0.7 * num_sms):
         return None
     smem = _device.shared_memory_per_block(0)
     if waves <= 1:

@@ -22,7 +22,6 @@ compile: planning still runs, submission does not.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -33,7 +32,13 @@ import torch
 from .. import device as _device
 from .. import tuning
 from .checks import default_out_dtype
-from .compile_pool import POOL, CompilePool, prepare_kernel, variant_key
+from .compile_pool import (
+    POOL,
+    CompilePool,
+    background_switched_off,
+    prepare_kernel,
+    variant_key,
+)
 from .launcher import PreparedLaunch, prepare_launch, splitk_reduce_kernel
 from .planner import plan_mm
 
@@ -213,7 +218,7 @@ def background_enabled(device: torch.device) -> bool:
     """Whether calls on ``device`` compile ahead: CUDA devices, not the interpreter, unless
     TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0; never while tuning on first use, which plans (and
     compiles) by timing."""
-    if os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0":
+    if background_switched_off():
         return False
     return compiles(device) and not tuning.autotune_enabled()
 

@@ -244,11 +244,17 @@ def triton_fingerprint() -> Any:
     return None
 
 
+def background_switched_off() -> bool:
+    """Whether TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0 turns background compilation (and the
+    fingerprint ahead) off."""
+    return os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0"
+
+
 def priming_enabled() -> bool:
     """Whether importing the package fingerprints Triton ahead: CUDA (or ROCm) builds of torch
     (asked without initialising CUDA), not the interpreter, unless
     TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0."""
-    if os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0":
+    if background_switched_off():
         return False
     if _device.interpreter_enabled():
         return False

@@ -360,12 +360,11 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
     gated = routing is not None and routing.gate != "none"
-    gathered = (routing is not None and routing.mode == "gather"
-                and _device.supports_tma(a.device))
+    tma_device = _device.supports_tma(a.device)
+    gathered = routing is not None and routing.mode == "gather" and tma_device
     tile, c_tma = choose_tile(form, G, M, 2 * N if gated else N, a.element_size(),
-                              tma and _device.supports_tma(a.device),
-                              out.element_size() if c_tma else 0, num_sms(a.device), fp32_steps,
-                              gathered)
+                              tma and tma_device, out.element_size() if c_tma else 0,
+                              num_sms(a.device), fp32_steps, gathered)
     if gated:
         # The tile's accumulator holds both halves: the tile chosen for 2N columns, N wide.
         tile = dataclasses.replace(tile, block_n=max(16, tile.block_n // 2))
