@@ -183,7 +183,8 @@ def test_deterministic(device, highest_fp32):
 
 def test_routed_launches_write_only_their_rows(device, highest_fp32):
     """Into NaN-poisoned outputs: the gathering launch writes the slots inside offs (the rest
-    keep their poison), the scattering launch with zero_tail writes every slot's row."""
+    keep their poison); the combining one writes every token's row, a slot of no expert adding
+    nothing (the rows past offs[-1] of the product it sums were never written)."""
     s = make_sample(device, torch.float32, tokens=10)
     s.ids[2, 1] = -1  # one slot of no expert, sorted past offs[-1]
     order, tokens, offs = moe_module.route(s.ids, E)
@@ -198,16 +199,19 @@ def test_routed_launches_write_only_their_rows(device, highest_fp32):
     gate, up = torch.einsum("sh,sih->si", s.x[tokens[:-1].long()].double(),
                             s.w13[expert].double()).chunk(2, dim=-1)
     assert rel_error(h[:-1], F.silu(gate) * up) <= 1e-5
-    y = torch.full((slots, H), float("nan"), device=device)
-    h[-1] = 0
-    weights = s.weights.reshape(-1).contiguous()
-    moe_module.launch_routed(h, s.w2.transpose(1, 2), offs, order, weights, y, "scatter", "none",
-                             True, traceable=False)
-    assert not y.isnan().any()
-    assert torch.equal(y[order[-1].long()], torch.zeros_like(y[0]))
-    ref = torch.einsum("si,shi->sh", h[:-1].double(), s.w2[expert].double())
-    ref = ref * weights[order[:-1].long(), None].double()
-    assert rel_error(y[order[:-1].long()], ref) <= 1e-5
+    out = torch.full((s.x.shape[0], H), float("nan"), device=device)
+    h[-1] = float("nan")  # the slot of no expert: its product row must not be read
+    positions = moe_module.slot_positions(order, s.ids.shape[1])
+    assert torch.equal(order[positions.reshape(-1).long()],
+                       torch.arange(slots, device=device, dtype=torch.int32))
+    moe_module.launch_routed(h, s.w2.transpose(1, 2), offs, positions, s.weights, out, "combine",
+                             "none", False, traceable=False)
+    assert not out.isnan().any()
+    per_slot = torch.zeros(slots, H, dtype=torch.float64, device=device)
+    per_slot[order[:-1].long()] = torch.einsum("si,shi->sh", h[:-1].double(),
+                                               s.w2[expert].double())
+    ref = (per_slot.view(*s.ids.shape, H) * s.weights.double()[..., None]).sum(1)
+    assert rel_error(out, ref) <= 1e-5
 
 
 # --- gradients ----------------------------------------------------------------------------------
@@ -419,7 +423,8 @@ def test_compile_fullgraph_forward_and_backward(device, fresh_dynamo, highest_fp
 def test_traces_on_cuda_fake_tensors():
     """Without the interpreter, the triton_op body traces on CUDA FakeTensors (no GPU needed):
     the output's metadata, and both routed launches of the grouped kernel in the functional
-    trace with their flags (pointer loaders, the scatter zeroing slots of no expert)."""
+    trace with their flags (pointer loaders for the gathered rows, TMA descriptors for the
+    sorted slots' product), then the combine."""
     script = textwrap.dedent("""
         import torch, torch_triton_gemm as tg
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -442,9 +447,11 @@ def test_traces_on_cuda_fake_tensors():
         for node in gm.graph.nodes:
             if node.op == "call_function" and "triton_kernel" in str(node.target):
                 kw = node.kwargs["kwargs"]
-                print("kernel ROUTE=%s GATE=%s ROW_WEIGHTS=%s ZERO_TAIL=%s USE_TMA=%s N=%s" % (
-                    kw["ROUTE"], kw["GATE"], kw["ROW_WEIGHTS"], kw["ZERO_TAIL"], kw["USE_TMA"],
-                    kw["N"]))
+                if "ROUTE" not in kw:
+                    print("kernel combine HAS_WEIGHTS=%s N=%s" % (kw["HAS_WEIGHTS"], kw["N"]))
+                    continue
+                print("kernel ROUTE=%s GATE=%s ZERO_TAIL=%s USE_TMA=%s N=%s" % (
+                    kw["ROUTE"], kw["GATE"], kw["ZERO_TAIL"], kw["USE_TMA"], kw["N"]))
 
         # The backward's own kernel (the autograd engine needs a CUDA build to trace it whole).
         def glu_backward(pre, grad, weights, order):
@@ -466,8 +473,9 @@ def test_traces_on_cuda_fake_tensors():
     lines = _run_without_interpreter(script).strip().splitlines()
     assert lines == [
         "(96, 64) torch.bfloat16 cuda",
-        "kernel ROUTE=gather GATE=silu ROW_WEIGHTS=False ZERO_TAIL=False USE_TMA=False N=48",
-        "kernel ROUTE=scatter GATE=none ROW_WEIGHTS=True ZERO_TAIL=True USE_TMA=False N=64",
+        "kernel ROUTE=gather GATE=silu ZERO_TAIL=False USE_TMA=False N=48",
+        "kernel ROUTE=none GATE=none ZERO_TAIL=False USE_TMA=False N=64",
+        "kernel combine HAS_WEIGHTS=True N=64",
         "kernel ACTIVATION=silu",
     ]
 
@@ -476,32 +484,36 @@ _COMPILE_SCRIPT = """
 from hopper_compile import compile_for as compile_for_sm90
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
-def compile_for(route, gate, weights, tile, tma=False):
+def compile_for(route, gate, tile):
     block_m, block_n, block_k, num_warps, num_stages = tile
     constants = dict(
-        GROUPED="m", ZERO_TAIL=route == "scatter", HAS_BIAS=False, bias_ptr=None,
+        GROUPED="m", ZERO_TAIL=False, HAS_BIAS=False, bias_ptr=None,
         SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, sa_ptr=None, sb_ptr=None,
-        USE_TMA=tma, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=tma, C_TMA=False,
+        USE_TMA=False, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=False, C_TMA=False,
         EPILOGUE_SUBTILE=1, INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False,
-        ROUTE=route, GATE=gate, ROW_WEIGHTS=weights, BLOCK_M=block_m, BLOCK_N=block_n,
+        ROUTE=route, GATE=gate, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
-    if not weights:
-        constants["weights_ptr"] = None
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32",
-                "rows_ptr": "*i32", "weights_ptr": "*fp32"}
+                "rows_ptr": "*i32"}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
                "K", "N"]
     compiled = compile_for_sm90(kernel, pointers, constants, aligned, num_warps=num_warps,
                                 num_stages=num_stages)
     ir = compiled.asm["ttgir"]
-    print(route, gate, weights, "warp_group_dot" in ir,
+    print(route, gate, "warp_group_dot" in ir,
           "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers")
 
-compile_for("gather", "silu", False, (128, 128, 64, 8, 3))  # the wide tile, halved
-compile_for("gather", "gelu", False, (64, 128, 64, 4, 3))
-compile_for("gather", "none", False, (128, 256, 64, 8, 3))
-compile_for("scatter", "none", True, (128, 128, 64, 8, 3))
-compile_for("scatter", "none", True, (128, 128, 64, 8, 3), tma=True)
+compile_for("gather", "silu", (128, 128, 64, 8, 3))  # the wide tile, halved
+compile_for("gather", "gelu", (64, 128, 64, 4, 3))
+compile_for("gather", "none", (128, 256, 64, 8, 3))
+
+from torch_triton_gemm.kernels.combine import combine_kernel
+for weights in (True, False):
+    types = {"y_ptr": "*bf16", "positions_ptr": "*i32", "weights_ptr": "*fp32",
+             "offs_ptr": "*i32", "out_ptr": "*bf16"}
+    compile_for_sm90(combine_kernel, types, {"HAS_WEIGHTS": weights, "BLOCK_T": 32,
+                                             "BLOCK_N": 128}, num_warps=4)
+    print("combine", weights)
 
 from torch_triton_gemm.kernels.glu import glu_backward_kernel as glu
 for activation in ("silu", "gelu"):
@@ -524,15 +536,14 @@ for activation in ("silu", "gelu"):
 def test_routed_kernel_compiles_for_hopper():
     """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
     gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), plain
-    gathered rows (the backward), and the weighted scatter (pointer or TMA loads); and the
-    gated activation's elementwise kernels."""
+    gathered rows (the backward); the combine; and the gated activation's elementwise
+    kernels."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
-    assert out == ["gather silu False True pointers", "gather gelu False True pointers",
-                   "gather none False True pointers", "scatter none True True pointers",
-                   "scatter none True True tma", "glu silu", "glu gelu", "glu forward silu",
-                   "glu forward gelu"]
+    assert out == ["gather silu True pointers", "gather gelu True pointers",
+                   "gather none True pointers", "combine True", "combine False", "glu silu",
+                   "glu gelu", "glu forward silu", "glu forward gelu"]
 
 
 _KEPT: list[torch.fx.GraphModule] = []

@@ -903,7 +903,7 @@ for kernel, consumers, stages, regs, out in (
     constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
                      STAGES=stages, CONSUMER_REGS=regs)
     if kernel is fp8_grouped_precise_kernel:
-        constants.update(rows_ptr=None, weights_ptr=None)
+        constants.update(rows_ptr=None)
     else:
         constants.update(BLOCKWISE=consumers == 3, A_ROWS=1, ws_ptr=None, locks_ptr=None)
     pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e5", "c_ptr": out, "bias_ptr": "*bf16",

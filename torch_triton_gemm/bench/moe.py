@@ -4,8 +4,9 @@ writes with ``torch._grouped_mm``. Needs a CUDA GPU.
 The unfused peer sorts the token slots by expert, copies the tokens' rows into that order,
 runs the gate/up and down projections as two torch._grouped_mm calls with SwiGLU between
 them, scales each slot's row by its router weight and adds the rows back to their tokens with
-index_add. moe_mlp does the same block in two fused launches (gathered rows, SwiGLU epilogue,
-weights and per-slot scatter in the second epilogue, a sum over k). Both get the same inputs;
+index_add. moe_mlp does the same block in two fused launches (gathered rows, SwiGLU epilogue;
+then the sorted slots times w2) and a combine kernel (each token's slot rows times their
+router weights, summed). Both get the same inputs;
 rows report speed, the peak memory a call adds on top of its inputs, and moe_mlp's error
 against a per-expert fp32 loop (fwd+bwd: the worst of its four gradients).
 """

@@ -7,12 +7,11 @@ per group), or the entries of a batch (GROUPED = "none"); with fp8 scales (SCALI
 serves torch._scaled_grouped_mm's. ``grouped_mm_list_kernel`` serves independent problems of any
 sizes whose addresses, sizes and strides come from a table.
 
-With ROUTE (tgemm::moe_mlp, GROUPED = "m"), the rows of the grouped product are token slots
-sorted by expert and reached through an index: "gather" reads A's rows through it (no
-permuted copy of the tokens), "scatter" writes C's rows through it, scaled by a weight per
-written row when ROW_WEIGHTS (the router weights). GATE (an activation name) makes the tile a
-gated one: it accumulates columns n of B and their partners n + N in one dot and stores
-act(first) * second (SwiGLU and its relatives).
+With ROUTE = "gather" (tgemm::moe_mlp, GROUPED = "m"), the rows of the grouped product are
+token slots sorted by expert whose rows of A are read through an index (no permuted copy of the
+tokens); C's rows are the sorted slots (kernels/combine.py sums them back per token). GATE (an
+activation name) makes the tile a gated one: it accumulates columns n of B and their partners
+n + N in one dot and stores act(first) * second (SwiGLU and its relatives).
 
 Both walk the tiles of all groups the same way; a tile is computed by the shared pieces of
 tiles.py (``k_loop`` or ``accumulate``, ``step_scales`` and ``outer_scales`` for scaled products,
@@ -110,50 +109,21 @@ def wrapped(start, end, offs, INDEX_64: tl.constexpr):
 
 
 @triton.jit
-def routed_rows(m0, m1, rows, targets, ROUTE: tl.constexpr, INDEX_64: tl.constexpr):
-    """The output rows a tile of rows ``m0 + rows`` stores to, the bound they are masked
-    against, and each row's target (the row whose router weight it takes). "scatter" writes
-    sorted row s to row rows_ptr[s] (``targets``, loaded by the caller; rows past m1 to none);
-    otherwise row s of C is row s."""
-    out_rows = widen(m0 + rows, INDEX_64)
-    limit = m1
-    target = out_rows
-    if ROUTE == "scatter":
-        target = widen(targets, INDEX_64)
-        # Rows past the group are not stored: an index no output row reaches.
-        limit = 2147483647
-        out_rows = tl.where(m0 + rows < m1, target, limit)
-    return out_rows, limit, target
-
-
-@triton.jit
-def row_weighted(acc, weights_ptr, target, ROW_WEIGHTS: tl.constexpr):
-    """acc scaled by each target row's router weight (ROW_WEIGHTS), else acc (apart from
-    routed_rows, whose store addresses must not derive from acc, see group_end)."""
-    if ROW_WEIGHTS:
-        weight = tl.load(weights_ptr + target).to(tl.float32)
-        acc = acc * weight[:, None]
-    return acc
-
-
-@triton.jit
 def pointer_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, rows_ptr, weights_ptr, m0, m1, n0, n1,
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, rows_ptr, m0, m1, n0, n1,
     k_size, pid_m, pid_n,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
     HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr,
     INDEX_64: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr, ROUTE: tl.constexpr, GATE: tl.constexpr,
-    ROW_WEIGHTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Compute and store tile (pid_m, pid_n) of rows [m0, m1) x columns [n0, n1) of C through
     pointers; a_ptr and b_ptr point at the first contraction index of the problem, sa_ptr and
     sb_ptr at the problem's scales (read as SCALING says, see tiles.py's ``accumulate``; not
-    read by unscaled products). ROUTE, GATE and ROW_WEIGHTS route rows through rows_ptr and
-    gate the tile (see the module docstring); GATE needs n0 = 0, the partner of column n being
-    n + n1.
+    read by unscaled products). ROUTE and GATE gather A's rows through rows_ptr and gate the
+    tile (see the module docstring); GATE needs n0 = 0, the partner of column n being n + n1.
 
     Rows and columns past the range are read wrapped inside it (no load masks) and not stored.
     """
@@ -181,13 +151,8 @@ def pointer_tile(
     else:
         acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn,
                            SCALING)
-    targets = in_rows
-    if ROUTE == "scatter":
-        targets = tl.load(rows_ptr + in_rows)
-    out_rows, limit, target = routed_rows(m0, m1, rows, targets, ROUTE, INDEX_64)
-    acc = row_weighted(acc, weights_ptr, target, ROW_WEIGHTS)
     store_epilogue(
-        acc, c_ptr, bias_ptr, out_rows, widen(n0 + cols, INDEX_64), limit, n1,
+        acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1, n1,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
     )
 
@@ -196,7 +161,7 @@ def pointer_tile(
 
 @triton.jit
 def grouped_mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, rows_ptr, weights_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, rows_ptr,
     G, M, N, K,
     stride_ag, stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
@@ -209,7 +174,7 @@ def grouped_mm_kernel(
     USE_TMA: tl.constexpr, A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
     C_TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
-    ROUTE: tl.constexpr, GATE: tl.constexpr, ROW_WEIGHTS: tl.constexpr,
+    ROUTE: tl.constexpr, GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Persistent: program p computes tiles p, p + P, p + 2P, ... of one numbering that lists
@@ -229,11 +194,9 @@ def grouped_mm_kernel(
     # 128-wide K block's scales (groups then never split K: GROUPED is not "k"). A group's
     # scales start at sa_ptr + g * stride_sag and sb_ptr + g * stride_sbg, indexed by the rows
     # and columns of the full operands, as the operands are.
-    # ROUTE / GATE / ROW_WEIGHTS (tgemm::moe_mlp, GROUPED = "m"): M counts the sorted token
-    # slots; rows_ptr maps each to the row of A it reads ("gather", pointer loaders) or the row
-    # of C it writes ("scatter": pointer stores, TMA or pointer loads; also for the zeroed
-    # tail); with GATE (pointer loaders), N is the gated output's width and B holds 2N columns
-    # (see ``pointer_tile``).
+    # ROUTE = "gather" / GATE (tgemm::moe_mlp, GROUPED = "m", pointer loaders): M counts the
+    # sorted token slots, rows_ptr maps each to the row of A it reads; with GATE, N is the
+    # gated output's width and B holds 2N columns (see ``pointer_tile``).
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -302,15 +265,8 @@ def grouped_mm_kernel(
                         store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n,
                                    BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
                     else:
-                        # (A scattering launch stores its rows through rows_ptr.)
-                        targets = scale_rows
-                        if ROUTE == "scatter":
-                            targets = tl.load(rows_ptr + scale_rows)
-                        rows, limit, target = routed_rows(
-                            m0, m1, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), targets, ROUTE,
-                            INDEX_64)
-                        acc = row_weighted(acc, weights_ptr, target, ROW_WEIGHTS)
-                        store_epilogue(acc, c_g, bias_g, rows, cols, limit, n1, stride_cm,
+                        rows = widen(off_m + tl.arange(0, BLOCK_M), INDEX_64)
+                        store_epilogue(acc, c_g, bias_g, rows, cols, m1, n1, stride_cm,
                                        stride_cn, stride_bias_n, HAS_BIAS, "none")
                 # This program's first tile past the group, in its stride.
                 tile += tl.cdiv(tiles_end - tile, num_programs) * num_programs
@@ -321,11 +277,11 @@ def grouped_mm_kernel(
                     kw = widen(k0, INDEX_64)
                     pointer_tile(
                         a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g, sa_g, sb_g,
-                        rows_ptr, weights_ptr, m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
+                        rows_ptr, m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         stride_bias_n, stride_sam, stride_sak, stride_sbk, stride_sbn,
                         HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-                        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, ROUTE, GATE, ROW_WEIGHTS,
+                        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, ROUTE, GATE,
                         BLOCK_M, BLOCK_N, BLOCK_K,
                     )
                     tile += num_programs
@@ -347,13 +303,8 @@ def grouped_mm_kernel(
                                         BLOCK_M, BLOCK_N, GROUP_M)
             rows = widen(m0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
             cols = widen(n0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
-            limit = M
-            if ROUTE == "scatter":
-                limit = 2147483647
-                rows = tl.where(rows < M, tl.load(rows_ptr + rows, mask=rows < M, other=0),
-                                limit)
             store_epilogue(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), c_ptr, bias_ptr,
-                           rows, cols, limit, N, stride_cm, stride_cn, 0, False, "none")
+                           rows, cols, M, N, stride_cm, stride_cn, 0, False, "none")
             tile += num_programs
 
 
@@ -406,10 +357,10 @@ def grouped_mm_list_kernel(
                 pid_m, pid_n = grouped_tile(tile - tiles_before, m, n, BLOCK_M, BLOCK_N, GROUP_M)
                 # Unscaled products: the scale pointers and strides are not read.
                 pointer_tile(
-                    a_g, b_g, c_g, c_g, a_g, b_g, a_g, a_g, 0, m, 0, n, k, pid_m, pid_n,
+                    a_g, b_g, c_g, c_g, a_g, b_g, a_g, 0, m, 0, n, k, pid_m, pid_n,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
                     0, 0, 0, 0, False, INPUT_PRECISION, UPCAST_TO_FP32, True,
-                    "none", 1, 1, False, "none", "none", False, BLOCK_M, BLOCK_N, BLOCK_K,
+                    "none", 1, 1, False, "none", "none", BLOCK_M, BLOCK_N, BLOCK_K,
                 )
                 tile += num_programs
         tiles_before = tiles_end

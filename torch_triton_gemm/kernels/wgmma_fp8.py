@@ -341,7 +341,7 @@ if AVAILABLE:
 
     @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,
-                                   rows_ptr, weights_ptr, G, M, N, K, stride_am, stride_bn,
+                                   rows_ptr, G, M, N, K, stride_am, stride_bn,
                                    stride_cm, stride_bias_g, stride_bias_n,
                                    stride_sam, stride_sbg, stride_sbn, HAS_BIAS: gl.constexpr,
                                    CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,

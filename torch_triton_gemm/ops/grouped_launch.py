@@ -317,18 +317,15 @@ _NO_SCALES = ((0, 0, 0, 0, 0, 0), ("none", 1, 1, False))
 
 
 class GroupedRouting(NamedTuple):
-    """Rows of a 2-D a x 3-D b product routed through an int32 index (tgemm::moe_mlp): the
-    kernel's rows are ``slots`` token slots sorted by expert; "gather" reads a's rows through
-    the index, "scatter" writes out's rows through it (scaled by a weight per written row when
-    ``row_weights``). ``gate``: an activation name for a gated product (b holds 2N columns,
-    out N: act(first half) * second half), or "none"."""
-    mode: str
+    """Rows of a 2-D a x 3-D b product gathered through an int32 index (tgemm::moe_mlp): the
+    kernel's rows are ``slots`` token slots sorted by expert, and slot s reads a's row
+    ``rows[s]``. ``gate``: an activation name for a gated product (b holds 2N columns, out N:
+    act(first half) * second half), or "none"."""
     slots: int | torch.SymInt
     gate: str = "none"
-    row_weights: bool = False
 
 
-_NOT_ROUTED = ("none", "none", False)
+_NOT_ROUTED = ("none", "none")
 
 
 def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
@@ -346,11 +343,9 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     p = Problem(form, a, b, out, offs, bias)
     if routing is not None:
         # Routed rows are the sorted slots; a gated product's out is half as wide as b.
-        # Gathered rows (and gated column pairs) load through pointers; a scattering launch
-        # may load through TMA but stores through pointers.
+        # Gathered rows (and gated column pairs) load through pointers.
         p.M, p.N = routing.slots, out.shape[1]
-        if routing.mode == "gather" or routing.gate != "none":
-            use_tma = False
+        use_tma = False
     G, M, N = p.G, p.M, p.N
     if out.numel() == 0 or G == 0 and not zero_tail:
         return None
@@ -361,7 +356,7 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
     gated = routing is not None and routing.gate != "none"
     tma_device = _device.supports_tma(a.device)
-    gathered = routing is not None and routing.mode == "gather" and tma_device
+    gathered = routing is not None and tma_device
     tile, c_tma = choose_tile(form, G, M, 2 * N if gated else N, a.element_size(),
                               tma and tma_device, out.element_size() if c_tma else 0,
                               num_sms(a.device), fp32_steps, gathered)
@@ -384,8 +379,7 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
         c_tma, tuning.epilogue_subtile(tile) if c_tma else 1,
         input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out),
-        *(_NOT_ROUTED if routing is None
-          else (routing.mode, routing.gate, routing.row_weights)),
+        *(_NOT_ROUTED if routing is None else ("gather", routing.gate)),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
     grid = (_sym_min(num_sms(a.device),
@@ -396,15 +390,15 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
 def run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
                        offs: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
                        traceable: bool, scale_a: torch.Tensor | None = None,
-                       scale_b: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                       row_weights: torch.Tensor | None = None) -> None:
+                       scale_b: torch.Tensor | None = None,
+                       rows: torch.Tensor | None = None) -> None:
     """Launch a prepared grouped launch on these tensors (with the scales, or the routing
-    index and row weights, it was prepared for). ``traceable=False`` launches the Triton kernel
+    index, it was prepared for). ``traceable=False`` launches the Triton kernel
     directly instead of through ``wrap_triton``, for plain eager calls that nothing traces."""
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     launch_kernel(launch.kernel or grouped_mm_kernel, launch.grid,
-                  (a, b, out, bias, offs, scale_a, scale_b, rows, row_weights, *launch.args),
+                  (a, b, out, bias, offs, scale_a, scale_b, rows, *launch.args),
                   launch.meta, traceable, launch.compiled)
 
 

@@ -20,8 +20,11 @@ Contract:
 - Deterministic: no atomics. The first launch reads the rows of x through the sorted slots'
   token index (no permuted copy of x) and applies act(gate) * up in its epilogue: a tile
   accumulates gate columns n..n+BN and up columns I+n..I+n+BN in one dot. The second launch
-  scales each slot's row by its router weight in its epilogue and writes it at the slot's own
-  place of a [T, k, H] buffer, which a sum over k (fixed order) reduces to out.
+  is a plain grouped product over the sorted slots (whole tiles stored through TMA); the
+  combine (kernels/combine.py) then sums each token's k slot rows, found through the slots'
+  sorted positions, times their router weights, in fp32 and slot order. (Scattering the rows
+  to the slots' places from the second launch's epilogue and summing over k ran its launch
+  1.06x slower on an H100: scattered rows store through pointers.)
 
 Training: calls of ``moe_mlp`` that need gradients run two ops, tgemm::moe_gate_up (the
 first launch, storing the gate/up pre-activations [T * k, 2I] in x's dtype) and tgemm::moe_down
@@ -39,7 +42,8 @@ inside the launch that multiplies them by w2; one elementwise kernel (kernels/gl
 gives the gradients of gate and up (router weight applied), the router weights' gradient (a
 row-wise dot of act(gate) * up with grad_out @ w2, one program per row: deterministic) and
 w * act(gate) * up for w2's gradient, with no fp32 temporaries. The input gradient goes out
-through the scattering launch and the same sum over k; the weight gradients are
+through the grouped product over the sorted slots and the same combine (weights 1); the
+weight gradients are
 tgemm::grouped_mm's 2-D x 2-D form on gathered copies of x's and grad_out's rows.
 
 This module reads top to bottom: checks, routing, the routed grouped product
@@ -54,6 +58,7 @@ import torch
 
 from .. import device as _device
 from .. import tuning
+from ..kernels.combine import combine_kernel
 from ..kernels.glu import glu_backward_kernel, glu_forward_kernel
 from ._registry import define_triton_op
 from .checks import check, check_value
@@ -177,8 +182,18 @@ def route(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
 
 
 # --- the routed grouped product -----------------------------------------------------------------
-# tgemm::grouped_mm's 2-D x 3-D form with its rows routed (kernels/grouped.py's ROUTE flags).
-# moe_mlp's forward launches it directly; its backward calls it as an op, which tracing sees.
+# tgemm::grouped_mm's 2-D x 3-D form with its rows routed: "gather" reads A's rows through an
+# index (kernels/grouped.py's ROUTE flag); "combine" sums each token's slot rows of the product
+# (kernels/combine.py). moe_mlp's forward launches it directly; its backward calls it as an op,
+# which tracing sees.
+
+def slot_positions(order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, k] int32: where slot t * k + j sits in the sorted order (the inverse of ``order``)."""
+    slots = order.shape[0]
+    ranks = torch.arange(slots, device=order.device, dtype=torch.int32)
+    positions = torch.empty_like(ranks).scatter(0, order.long(), ranks)
+    return positions.view(-1, top_k)
+
 
 def _routed_shape(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
                   gate: str) -> tuple[int | torch.SymInt, int | torch.SymInt]:
@@ -191,21 +206,24 @@ def _check_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
     check(a.dim() == 2 and b.dim() == 3,
           lambda: f"{ROUTED_OP}: a must be 2-D and b 3-D, got {tuple(a.shape)} and "
                    f"{tuple(b.shape)}")
-    check_value(route in ("gather", "scatter"),
-                lambda: f"{ROUTED_OP}: route must be 'gather' or 'scatter', got {route!r}")
+    check_value(route in ("gather", "combine"),
+                lambda: f"{ROUTED_OP}: route must be 'gather' or 'combine', got {route!r}")
     check_value(gate == "none" or gate in ACTIVATIONS and route == "gather",
                 lambda: f"{ROUTED_OP}: gate must be 'none' or, gathering, one of {ACTIVATIONS}; "
                          f"got {gate!r}")
-    check(rows.dim() == 1 and rows.dtype == torch.int32 and rows.device == a.device,
-          lambda: f"{ROUTED_OP}: rows must be int32 [S] on {a.device}")
-    check(route == "gather" or a.shape[0] == rows.shape[0],
-          lambda: f"{ROUTED_OP}: scattering, a must have one row per slot ({rows.shape[0]})")
+    check(rows.dtype == torch.int32 and rows.device == a.device
+          and rows.dim() == (1 if route == "gather" else 2),
+          lambda: f"{ROUTED_OP}: rows must be int32 on {a.device}, [S] token rows gathering or "
+                   f"[T, k] slot positions combining; got {rows.dtype} {tuple(rows.shape)}")
+    check(route == "gather" or a.shape[0] == rows.numel(),
+          lambda: f"{ROUTED_OP}: combining, a must have one row per slot ({rows.numel()}), got "
+                   f"{a.shape[0]}")
     check(gate == "none" or b.shape[2] % 2 == 0,
           lambda: f"{ROUTED_OP}: a gated product needs an even column count, got {b.shape[2]}")
     if row_weights is not None:
-        check(route == "scatter" and row_weights.shape == rows.shape
-              and row_weights.is_contiguous(),
-              lambda: f"{ROUTED_OP}: row_weights must be contiguous [S], scattering")
+        check(route == "combine" and row_weights.shape == rows.shape
+              and row_weights.dtype in INPUT_DTYPES and row_weights.device == a.device,
+              lambda: f"{ROUTED_OP}: row_weights must be float [T, k] like rows, combining")
 
 
 def _moe_routed_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -218,16 +236,37 @@ def _moe_routed_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor,
                   row_weights: torch.Tensor | None, out: torch.Tensor, route: str, gate: str,
                   zero_tail: bool, traceable: bool) -> None:
-    """Launch the grouped kernel writing the routed product into ``out`` (checked inputs):
-    "gather": out[s] = gate(a[rows[s]] @ b[e]); "scatter": out[rows[s]] = row_weights[rows[s]]
-    * (a[s] @ b[e]); e is slot s's group in offs. zero_tail writes zeros for the slots past
-    offs[-1] (at their routed rows when scattering)."""
-    routing = GroupedRouting(route, rows.shape[0], gate, row_weights is not None)
-    launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, out, zero_tail,
-                                    routing=routing)
+    """Write the routed product into ``out`` (checked inputs); e is slot s's group in offs.
+
+    "gather": out[s] = gate(a[rows[s]] @ b[e]), one launch; zero_tail writes zeros for the
+    slots past offs[-1]. "combine": rows [T, k] holds each token slot's sorted position p, and
+    out[t] = sum_j row_weights[t, j] * (a[p] @ b[e]) (weights 1 without row_weights), the slots
+    past offs[-1] adding nothing: the plain grouped launch into a [S, N] buffer (whole tiles
+    stored through TMA where it can), then kernels/combine.py."""
+    if route == "gather":
+        launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, out, zero_tail,
+                                        routing=GroupedRouting(rows.shape[0], gate))
+        if launch is not None:
+            run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows)
+        return
+    tokens, top_k = rows.shape
+    if out.numel() == 0:
+        return
+    if top_k == 0 or offs.shape[0] == 0:
+        out.zero_()
+        return
+    per_slot = a.new_empty(a.shape[0], out.shape[1])
+    launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, per_slot, False)
     if launch is not None:
-        run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows,
-                           row_weights=row_weights)
+        run_grouped_launch(launch, a, b, offs, None, per_slot, traceable)
+    block_t, block_n, num_warps = tuning.glu_backward_tile()
+    grid = ((tokens + block_t - 1) // block_t, (out.shape[1] + block_n - 1) // block_n)
+    weights = row_weights if row_weights is not None else rows
+    launch_kernel(combine_kernel, grid,
+                  (per_slot, rows, weights, offs, out, tokens, out.shape[1], offs.shape[0],
+                   top_k, per_slot.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
+                   row_weights is not None),
+                  {"BLOCK_T": block_t, "BLOCK_N": block_n, "num_warps": num_warps}, traceable)
 
 
 def _moe_routed_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -308,14 +347,12 @@ def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
 def _down_and_combine(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
                       order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The second launch and the combine: h times w2, each row scaled by its router weight and
-    written at its slot (the slots of no expert, past offs[-1], get zeros), summed over k."""
-    tokens, top_k = topk_weights.shape
-    y = h.new_empty(order.shape[0], w2.shape[1])
-    weights = topk_weights.reshape(-1).contiguous()
-    launch_routed(h, w2.transpose(-2, -1), offs, order, weights, y, "scatter", "none", True,
-                  traceable=True)
-    return y.view(tokens, top_k, w2.shape[1]).sum(1)
+    """The second launch and the combine: h times w2, each token's slot rows times their
+    router weights summed (the slots of no expert, past offs[-1], add nothing)."""
+    out = h.new_empty(topk_weights.shape[0], w2.shape[1])
+    launch_routed(h, w2.transpose(-2, -1), offs, slot_positions(order, topk_weights.shape[1]),
+                  topk_weights, out, "combine", "none", False, traceable=True)
+    return out
 
 
 def _moe_mlp_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -499,15 +536,13 @@ def _gate_up_gradients(grad_pre: torch.Tensor, x: torch.Tensor, w13: torch.Tenso
                        order: torch.Tensor, token_rows: torch.Tensor, offs: torch.Tensor,
                        top_k: int, need_x: bool, need_w13: bool
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The gradients of x (the scattering launch and the sum over k) and w13 (the 2-D x 2-D
+    """The gradients of x (the grouped product and the combine over k) and w13 (the 2-D x 2-D
     grouped product on gathered rows of x) from the pre-activations' gradient."""
     grad_x = grad_w13 = None
     grad_pre = grad_pre.to(x.dtype)
     if need_x:
-        per_slot = torch.ops.tgemm.moe_routed_mm(grad_pre, w13, offs, order, None, "scatter",
-                                                 "none", True)
-        grad_x = per_slot.view(x.shape[0], top_k, x.shape[1]).sum(1)
-        del per_slot
+        grad_x = torch.ops.tgemm.moe_routed_mm(grad_pre, w13, offs, slot_positions(order, top_k),
+                                               None, "combine", "none", False)
     if need_w13:
         grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
     return grad_x, grad_w13
