@@ -522,6 +522,17 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert outer(128, 28672, 4096, True)[:2] == ("tma", 128)  # 896 narrow tiles
     assert outer(32, 4096, 4096) == outer(32, 4096, 4096, True)
     assert outer(32, 4096, 4096)[1] == 32  # decode rows keep their tiles
+    # Tensorwise / rowwise, 2-16 rows: 16-row tiles unsplit, the widest of 128, 64 and 32
+    # columns whose tiles number 0.55 of the SMs; else (and at one row) the K-split rule.
+    assert outer(16, 4096, 4096) == ("portable", 16, 32, 256, 6, 1)  # 128 tiles
+    assert outer(2, 6144, 4096, True) == ("portable", 16, 64, 256, 6, 1)  # 96 tiles
+    assert outer(8, 28672, 4096) == ("portable", 16, 128, 256, 4, 1)
+    split_rule = tuning.heuristic_mm_plan(1, 4096, 4096, 1, True, 132, 2)
+    assert split_rule.split_k > 1
+    assert tuning.heuristic_mm_plan(1, 4096, 4096, 1, True, 132, 2, scaling="outer") == split_rule
+    narrow = tuning.heuristic_mm_plan(16, 2048, 4096, 1, True, 132, 2)  # 64 tiles of 32
+    assert narrow.split_k > 1
+    assert tuning.heuristic_mm_plan(16, 2048, 4096, 1, True, 132, 2, scaling="outer") == narrow
 
 
 @pytest.mark.parametrize("tiles, programs, stream_k, expected", [

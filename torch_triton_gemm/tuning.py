@@ -274,7 +274,9 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     timings of every candidate plan on an H100: ``python -m torch_triton_gemm.tune --report``).
 
     - M <= 32 (decode, small batches): memory-bound on B; 16- or 32-row tiles on the portable
-      kernel (it streamed B faster than TMA there), K split until about one SM wave is busy;
+      kernel (it streamed B faster than TMA there), K split until about one SM wave is busy
+      (tensorwise and rowwise fp8 at 2-16 rows: ``_fp8_decode_tile``, unsplit, where its
+      tiles fill enough SMs);
     - M <= 128: 128x128 tiles on the TMA kernel when they fill a wave, else 64- or 128-row
       tiles (B read once), 64 wide, deep K steps, K split likewise;
     - operands TMA cannot describe (odd leading dimensions): 128x128 tiles, 5 stages, and a
@@ -309,6 +311,9 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
             return narrow
     if m <= 16:
         tile, split = _decode_tile_and_split(n, k, element_size, num_sms)
+        fp8_tile = _fp8_decode_tile(n, num_sms) if scaling == "outer" and m > 1 else None
+        if fp8_tile is not None:
+            tile, split = fp8_tile, 1
         tile = _fit_shared_memory(tile, element_size, _device.shared_memory_per_block(0))
         return MMPlan("portable", tile, split)
     if m <= 32:
@@ -444,6 +449,33 @@ def _fp8_narrow_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
     else:
         tile = TileConfig(64, 64, 64, 4, 4, 5)
     return MMPlan("portable", _fit_shared_memory(_for_dtype(tile, 1), 1, smem))
+
+
+# Tensorwise and rowwise fp8 products of 2-16 rows take ``_fp8_decode_tile`` where its tiles,
+# unsplit, number at least this fraction of the SMs.
+FP8_DECODE_MIN_FILL = 0.55
+FP8_DECODE_WIDTHS = (128, 64, 32)
+
+
+def _fp8_decode_tile(n: int, num_sms: int) -> TileConfig | None:
+    """The unsplit decode tile of a tensorwise or rowwise fp8 product of 2-16 rows: 16 rows
+    by the widest of 128, 64 or 32 columns whose tiles number at least 0.55 of the SMs,
+    256-deep K steps, 6 stages below 128 columns; None when even 32-wide tiles are fewer
+    (the K-split rule of ``_decode_tile_and_split`` then). Streaming fp8 weights, one wave of
+    whole-K programs beat fewer, wider tiles split in K (the split's second launch and fp32
+    partials cost more than the programs' K loop at these sizes). On an H100, every 16-row
+    plan of the portable kernel at M = 8 and 16 on eight products
+    (docs/data/fp8-decode-h100.csv): Llama-3-8B o 10.5 -> 9.2 us (torch._scaled_mm 8.5), down
+    25.4 -> 24.5, N = K = 5120 14.6 -> 12.9; qkv unchanged. Not at M = 1 (Triton
+    specialises a size of 1, and there the same 32-wide plan ran 12.1 us against the split
+    rule's 11.5). Held out (M = 2-16, model-like N and K of another seed, the three recipes;
+    docs/data/fp8-decode-ab-h100.csv): the 87 products whose plan it changes ran 1.07x faster
+    in geomean, 1.04 -> 1.12x torch._scaled_mm; 4 slower by more than 3% (worst 0.91x:
+    4 x 2560 x 7168, 80 tiles of 32 columns, a deep K that the split rule spread wider)."""
+    for width in FP8_DECODE_WIDTHS:
+        if -(-n // width) >= FP8_DECODE_MIN_FILL * num_sms:
+            return TileConfig(16, width, 256, 1, 4, 4 if width == 128 else 6)
+    return None
 
 
 # Decode tiles (M <= 16): 128 columns wide, or 64 wide with a deeper pipeline; both on the
