@@ -214,6 +214,18 @@ def test_routed_launches_write_only_their_rows(device, highest_fp32):
     assert rel_error(out, ref) <= 1e-5
 
 
+def test_strided_router_weights_and_ids(device):
+    """Router weights and ids given as column-major views ([T, k] with a column stride of T)
+    give the same output, bit for bit, as contiguous ones (the combine reads the weights
+    through both strides)."""
+    s = make_sample(device, torch.float16, tokens=12)
+    weights = s.weights.t().contiguous().t()
+    ids = s.ids.t().contiguous().t()
+    assert weights.stride(1) == s.weights.shape[0]
+    torch.testing.assert_close(tg.moe_mlp(s.x, s.w13, s.w2, ids, weights),
+                               tg.moe_mlp(s.x, s.w13, s.w2, s.ids, s.weights), rtol=0, atol=0)
+
+
 # --- gradients ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)

@@ -15,7 +15,8 @@ import triton.language as tl
 def combine_kernel(
     y_ptr, positions_ptr, weights_ptr, offs_ptr, out_ptr,
     T, N, E, TOP_K,
-    stride_y, stride_positions, stride_weights, stride_out,
+    stride_y, stride_positions_t, stride_positions_j, stride_weights_t, stride_weights_j,
+    stride_out,
     HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Program (p, q) takes tokens [p * BLOCK_T, (p + 1) * BLOCK_T) and columns
@@ -30,14 +31,15 @@ def combine_kernel(
     tokens_64 = tokens.to(tl.int64)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for j in range(TOP_K):
-        position = tl.load(positions_ptr + tokens_64 * stride_positions + j, mask=in_tokens,
-                           other=0)
+        position = tl.load(positions_ptr + tokens_64 * stride_positions_t
+                           + j * stride_positions_j, mask=in_tokens, other=0)
         valid = in_tokens & (position < routed)
         rows = y_ptr + position.to(tl.int64)[:, None] * stride_y
         y = tl.load(rows + cols[None, :], mask=valid[:, None] & in_cols[None, :], other=0.0)
         y = y.to(tl.float32)
         if HAS_WEIGHTS:
-            weight = tl.load(weights_ptr + tokens_64 * stride_weights + j, mask=valid, other=0.0)
+            weight = tl.load(weights_ptr + tokens_64 * stride_weights_t + j * stride_weights_j,
+                             mask=valid, other=0.0)
             y = y * weight.to(tl.float32)[:, None]
         acc += y
     tl.store(out_ptr + tokens_64[:, None] * stride_out + cols[None, :],

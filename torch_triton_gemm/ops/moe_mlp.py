@@ -264,7 +264,7 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
     weights = row_weights if row_weights is not None else rows
     launch_kernel(combine_kernel, grid,
                   (per_slot, rows, weights, offs, out, tokens, out.shape[1], offs.shape[0],
-                   top_k, per_slot.stride(0), rows.stride(0), weights.stride(0), out.stride(0),
+                   top_k, per_slot.stride(0), *rows.stride(), *weights.stride(), out.stride(0),
                    row_weights is not None),
                   {"BLOCK_T": block_t, "BLOCK_N": block_n, "num_warps": num_warps}, traceable)
 
