@@ -163,6 +163,21 @@ def test_no_tokens_and_no_experts_routed(device):
     assert torch.equal(tg.moe_mlp(*s.args()), torch.zeros_like(s.x))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_no_slots_and_no_experts(device, grad):
+    """k = 0 (no slot per token) and E = 0 (no expert): zeros, and zero gradients."""
+    s = make_sample(device, torch.float16, tokens=5)
+    x = s.x.detach().requires_grad_(grad)
+    ids, weights = s.ids[:, :0], s.weights[:, :0]
+    out = tg.moe_mlp(x, s.w13, s.w2, ids, weights)
+    assert torch.equal(out, torch.zeros_like(s.x))
+    if grad:
+        out.float().sum().backward()
+        assert torch.equal(x.grad, torch.zeros_like(s.x))
+    no_experts = tg.moe_mlp(x, s.w13[:0], s.w2[:0], s.ids, s.weights)
+    assert torch.equal(no_experts, torch.zeros_like(s.x))
+
+
 def test_deterministic(device, highest_fp32):
     """The same bits every run, without gradients and with them. Calls that need gradients run
     the training op, whose first launch stores the pre-activations in x's dtype before the
@@ -201,7 +216,7 @@ def test_routed_launches_write_only_their_rows(device, highest_fp32):
     assert rel_error(h[:-1], F.silu(gate) * up) <= 1e-5
     out = torch.full((s.x.shape[0], H), float("nan"), device=device)
     h[-1] = float("nan")  # the slot of no expert: its product row must not be read
-    positions = moe_module.slot_positions(order, s.ids.shape[1])
+    positions = moe_module.slot_positions(order, *s.ids.shape)
     assert torch.equal(order[positions.reshape(-1).long()],
                        torch.arange(slots, device=device, dtype=torch.int32))
     moe_module.launch_routed(h, s.w2.transpose(1, 2), offs, positions, s.weights, out, "combine",

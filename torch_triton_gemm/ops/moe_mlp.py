@@ -187,12 +187,11 @@ def route(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
 # (kernels/combine.py). moe_mlp's forward launches it directly; its backward calls it as an op,
 # which tracing sees.
 
-def slot_positions(order: torch.Tensor, top_k: int) -> torch.Tensor:
+def slot_positions(order: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     """[T, k] int32: where slot t * k + j sits in the sorted order (the inverse of ``order``)."""
-    slots = order.shape[0]
-    ranks = torch.arange(slots, device=order.device, dtype=torch.int32)
+    ranks = torch.arange(order.shape[0], device=order.device, dtype=torch.int32)
     positions = torch.empty_like(ranks).scatter(0, order.long(), ranks)
-    return positions.view(-1, top_k)
+    return positions.view(tokens, top_k)
 
 
 def _routed_shape(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
@@ -350,7 +349,7 @@ def _down_and_combine(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
     """The second launch and the combine: h times w2, each token's slot rows times their
     router weights summed (the slots of no expert, past offs[-1], add nothing)."""
     out = h.new_empty(topk_weights.shape[0], w2.shape[1])
-    launch_routed(h, w2.transpose(-2, -1), offs, slot_positions(order, topk_weights.shape[1]),
+    launch_routed(h, w2.transpose(-2, -1), offs, slot_positions(order, *topk_weights.shape),
                   topk_weights, out, "combine", "none", False, traceable=True)
     return out
 
@@ -541,8 +540,9 @@ def _gate_up_gradients(grad_pre: torch.Tensor, x: torch.Tensor, w13: torch.Tenso
     grad_x = grad_w13 = None
     grad_pre = grad_pre.to(x.dtype)
     if need_x:
-        grad_x = torch.ops.tgemm.moe_routed_mm(grad_pre, w13, offs, slot_positions(order, top_k),
-                                               None, "combine", "none", False)
+        positions = slot_positions(order, x.shape[0], top_k)
+        grad_x = torch.ops.tgemm.moe_routed_mm(grad_pre, w13, offs, positions, None, "combine",
+                                               "none", False)
     if need_w13:
         grad_w13 = grouped_mm(grad_pre.t(), x.index_select(0, token_rows), offs)
     return grad_x, grad_w13
