@@ -105,10 +105,12 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 
 # --- suites against the shape list --------------------------------------------------------------
 
-# Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them.
+# Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them
+# ("training" is this benchmark's own: 8 layers, three GEMMs each).
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
                      "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
-                     "scaled": 95, "sgrouped": 24, "moe": 8, "classes": 21, "sweep": 400}
+                     "scaled": 95, "sgrouped": 24, "moe": 8, "training": 24, "classes": 21,
+                     "sweep": 400}
 
 
 def test_suite_row_counts_match_the_shape_list():
@@ -137,6 +139,21 @@ def test_mm_suite_shapes():
     assert all((c.a_layout, c.b_layout) == ("row", "col") for c in others)
     assert suites.build_cases(["odd", "e2e", "square"]) == [
         *suites.suite_cases("square"), *suites.suite_cases("odd")]
+
+
+def test_training_suite_shapes():
+    """Per layer: the forward x @ W.t(), the input gradient dy @ W and the weight gradient
+    dy.t() @ x, with the layouts autograd gives them."""
+    cases = suites.suite_cases("training")
+    fwd, dgrad, wgrad = cases[:3]
+    assert (fwd.m, fwd.n, fwd.k, fwd.a_layout, fwd.b_layout) == (4096, 6144, 4096, "row", "col")
+    assert (dgrad.m, dgrad.n, dgrad.k, dgrad.b_layout) == (4096, 4096, 6144, "row")
+    assert (wgrad.m, wgrad.n, wgrad.k, wgrad.a_layout, wgrad.b_layout) == (
+        6144, 4096, 4096, "col", "row")
+    assert [c.shape_class for c in cases[:3]] == ["fwd", "dgrad", "wgrad"]
+    assert cases[0].label() == "training fwd llama3-8b qkv"
+    assert cases[-1].label() == "training wgrad dropin lm_head" and cases[-1].k == 8192
+    assert len(suites.suite_cases("training", quick=True)) == 6
 
 
 def test_classes_suite_shapes():

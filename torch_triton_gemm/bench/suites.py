@@ -17,7 +17,7 @@ from dataclasses import dataclass
 MM_SUITES = ("square", "llama", "layouts", "decode", "odd", "deepk", "shallowk")
 DEFAULT_SUITES = (*MM_SUITES, "latency", "e2e", "coldstart")
 # mm suites that judge the planner on shapes nobody tuned for; long, so they run when named.
-PLANNER_SUITES = ("classes", "sweep")
+PLANNER_SUITES = ("training", "classes", "sweep")
 ALL_SUITES = (*DEFAULT_SUITES, "grouped", "scaled", "sgrouped", "moe", *PLANNER_SUITES)
 # Names that stand for several suites on the command line.
 SUITE_GROUPS = {"mm": MM_SUITES, "default": DEFAULT_SUITES, "all": ALL_SUITES}
@@ -40,6 +40,8 @@ SUITE_DESCRIPTIONS = {
                 "accumulation modes (Mixtral, DeepSeek-V3-like experts)",
     "moe": "moe_mlp vs the unfused torch._grouped_mm MoE MLP (Mixtral, Qwen3-MoE), with peak "
            "memory",
+    "training": "a training step's GEMMs, forward, input and weight gradients (Llama-3-8B "
+                "layers at 4096 tokens, the drop-in example's model at 8192)",
     "classes": "named shapes the planner finds hard: near1000, overwave, near3000, decode32, "
                "decode1, wideN, deepK",
     "sweep": "--count random shapes of --seed: M, N, K log-uniform over 1..16384, odd sizes "
@@ -147,6 +149,33 @@ def _shape_cases(suite: str, shapes: Sequence[tuple[int, int, int]]) -> list[Cas
 def _llama_cases(suite: str, ms: Sequence[int]) -> list[Case]:
     # M outermost: the rows for one batch size read as one forward pass.
     return [Case(suite, name, m, n, k) for m in ms for name, n, k in LLAMA_LAYERS]
+
+
+# Training steps as (model, tokens, its nn.Linear layers as (name, N = out, K = in)): the
+# Llama-3-8B projections, and the drop-in example's model as the coldstart suite builds it
+# (bench/model.py on a GPU: hidden 1024, MLP 2752, vocab 32000, 8 x 1024 tokens).
+TRAINING_MODELS = (
+    ("llama3-8b", 4096, LLAMA_LAYERS),
+    ("dropin", 8192, (("attn", 1024, 1024), ("gate", 2752, 1024), ("down", 1024, 2752),
+                      ("lm_head", 32000, 1024))),
+)
+QUICK_TRAINING_LAYERS = 2  # of the first model
+
+
+def _training_cases(suite: str, quick: bool) -> list[Case]:
+    """Each layer's three GEMMs, as autograd runs them for y = x @ W.t(): the forward, the
+    input gradient dy @ W (W row-major as [K, N]) and the weight gradient dy.t() @ x (a
+    transposed, the contraction over the tokens); the pass is the row's class."""
+    cases = []
+    models = TRAINING_MODELS[:1] if quick else TRAINING_MODELS
+    for model, tokens, layers in models:
+        for layer, n, k in layers[:QUICK_TRAINING_LAYERS] if quick else layers:
+            name = f"{model} {layer}"
+            cases += [Case(suite, name, tokens, n, k, shape_class="fwd"),
+                      Case(suite, name, tokens, k, n, b_layout="row", shape_class="dgrad"),
+                      Case(suite, name, n, k, tokens, a_layout="col", b_layout="row",
+                           shape_class="wgrad")]
+    return cases
 
 
 # --- planner suites: named shape classes, and a seeded random sweep -----------------------------
@@ -280,6 +309,8 @@ def suite_cases(suite: str, quick: bool = False, *, seed: int = SWEEP_SEED,
         return _shape_cases(suite, _pick(SHALLOW_K_SHAPES, QUICK_SHALLOW_K, quick))
     if suite == "latency":
         return [Case(suite, name, m, n, k) for name, m, n, k in LATENCY_SHAPES]
+    if suite == "training":
+        return _training_cases(suite, quick)
     if suite == "classes":
         return [Case(suite, _shape_name(m, n, k), m, n, k, shape_class=name)
                 for name, shapes in SHAPE_CLASSES.items()
