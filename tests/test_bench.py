@@ -108,7 +108,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them
 # ("training" is this benchmark's own: 8 layers, three GEMMs each).
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
-                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 3, "grouped": 13,
+                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 5, "grouped": 13,
                      "scaled": 95, "sgrouped": 24, "moe": 8, "training": 24, "classes": 21,
                      "sweep": 400}
 
@@ -546,7 +546,9 @@ def _run_results() -> RunResults:
         e2e=E2EResult("2 Llama blocks", "bf16", 45.0, 50.0, 0.0),
         coldstart=[ColdStartResult("plain", 2.0, 100.0, 20.0, 10.4),
                    ColdStartResult("override, cold caches", 30.0, 101.0, 50.0, 10.4),
-                   ColdStartResult("override, warm caches", error="TimeoutExpired: 300 s")],
+                   ColdStartResult("override, warm caches", error="TimeoutExpired: 300 s"),
+                   ColdStartResult("override aten, cold caches", 20.0, 99.0, 40.0, 10.4),
+                   ColdStartResult("override aten, warm caches", 2.4, 99.0, 21.0, 10.4)],
         notes=["something: skipped (a reason)"],
     )
 
@@ -585,6 +587,7 @@ def test_every_section_renders():
     blockwise = _cells(text, "4096^3 4096 4096 4096 blockwise")
     assert blockwise[5] == "precise" and blockwise[7:10] == ["n/a", "n/a", "n/a"]
     assert _cells(text, "override, cold caches")[3:6] == ["30.00", "15.00", "101.0"]
+    assert _cells(text, "override aten, warm caches")[4:7] == ["2.40", "1.20", "99.0"]
     doc = report.markdown_report(["GPU X | torch Y"], results)
     assert doc.startswith("# torch_triton_gemm benchmark\n\n- GPU X | torch Y\n\n## mm llama")
     assert "## summary" in doc
@@ -596,7 +599,7 @@ def test_csv_has_every_row_at_full_precision(tmp_path):
     report.write_csv(str(path), results.records())
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 3
+    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 5
     qkv = rows[0]
     assert (qkv["suite"], qkv["name"], qkv["M"], qkv["dtype"]) == ("llama", "qkv", "1", "bf16")
     assert float(qkv["ratio"]) == pytest.approx(1.25)

@@ -1,13 +1,14 @@
 """One cold-start measurement, run in a fresh process by the benchmark's coldstart suite:
 
-    python -m torch_triton_gemm.bench.coldstart plain|override|warmup
+    python -m torch_triton_gemm.bench.coldstart plain|override|override-aten|warmup
 
 It builds the drop-in example's model (its GPU defaults, bf16), then times the first training
 steps (forward, cross-entropy, backward, AdamW step, each to completion), plainly or inside
-``torch_triton_gemm.override()``. The first step pays every one-time cost the process has not
-paid yet: CUDA and cuBLAS initialisation, and under the override Triton's compilation of tgemm's
-kernels (no tuning sweeps: untuned shapes run the heuristic's plans), unless Triton's on-disk
-cache (``TRITON_CACHE_DIR``) already holds them. "warmup" runs ``torch_triton_gemm.warmup`` on
+``torch_triton_gemm.override()`` (``override(level="aten")`` for "override-aten"). The first
+step pays every one-time cost the process has not paid yet: CUDA and cuBLAS initialisation, and
+under the override Triton's compilation of tgemm's kernels (no tuning sweeps: untuned shapes
+run the heuristic's plans), unless Triton's on-disk cache (``TRITON_CACHE_DIR``) already holds
+them. "warmup" runs ``torch_triton_gemm.warmup`` on
 the model first (its seconds as "warmup_s"), then the override's steps. It prints one JSON line:
 {"mode", "step_s": [seconds per step], "loss": first step's loss, "warmup_s" for "warmup"}.
 """
@@ -28,7 +29,7 @@ from torch_triton_gemm.bench.model import TinyLlama, train_step
 MODEL = dict(vocab=32000, hidden=1024, heads=8, layers=4, intermediate=2752)
 BATCH, SEQ = 8, 1024
 STEPS = 3
-MODES = ("plain", "override", "warmup")
+MODES = ("plain", "override", "override-aten", "warmup")
 
 
 def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
@@ -47,7 +48,11 @@ def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
         tg.warmup(model, tokens=BATCH * SEQ, progress=False)
         extra["warmup_s"] = time.perf_counter() - start
     times, losses = [], []
-    with tg.override() if mode != "plain" else contextlib.nullcontext():
+    if mode == "plain":
+        context = contextlib.nullcontext()
+    else:
+        context = tg.override(level="aten" if mode == "override-aten" else "python")
+    with context:
         for _ in range(steps):
             start = time.perf_counter()
             loss = train_step(model, optimizer, inputs, targets)

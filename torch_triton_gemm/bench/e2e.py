@@ -188,14 +188,15 @@ def parse_child_output(run: str, stdout: str, process_s: float) -> ColdStartResu
 
 
 def run_coldstart(timeout_s: float = 300.0) -> list[ColdStartResult]:
-    """The first training steps of the drop-in example's model in three fresh processes, one
-    after the other: plain PyTorch, then twice under ``override()``. The processes share a new,
-    empty Triton cache directory, so the first override process tunes and compiles every
-    kernel it needs and the second finds them on disk (a user's second run)."""
+    """The first training steps of the drop-in example's model in fresh processes, one after
+    the other (``COLDSTART_RUNS``): plain PyTorch, then twice under ``override()``, then twice
+    under ``override(level="aten")``. The processes of one mode share a new, empty Triton cache
+    directory, so its first override process compiles every kernel it needs and the second
+    finds them on disk (a user's second run)."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="tgemm-coldstart-") as cache_dir:
-        env = _child_env(cache_dir)
+    with tempfile.TemporaryDirectory(prefix="tgemm-coldstart-") as caches:
         for run, mode in COLDSTART_RUNS.items():
+            env = _child_env(os.path.join(caches, mode))
             print(f"coldstart: {run} ...", end=" ", file=sys.stderr, flush=True)
             start = time.perf_counter()
             command = [sys.executable, "-m", "torch_triton_gemm.bench.coldstart", mode]

@@ -268,7 +268,7 @@ def coldstart_section(results: Sequence[ColdStartResult]) -> Section:
              _fmt(r.later_step_ms, ".1f"), _fmt(r.process_s, ".1f"), _fmt(r.loss, ".4f")]
             for r in results]
     title = ("coldstart: first training step of the drop-in model in fresh processes, one "
-             "Triton cache shared from empty (vs plain: first-step time ratio)")
+             "Triton cache per override level, from empty (vs plain: first-step time ratio)")
     return Section(title, COLDSTART_HEADERS, rows, frozenset({"process"}),
                    _issues((r.run, r.error, "") for r in results))
 

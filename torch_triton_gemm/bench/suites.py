@@ -622,9 +622,12 @@ def sgrouped_cases(quick: bool = False) -> list[ScaledGroupedCase]:
 
 # --- counts for --list --------------------------------------------------------------------------
 
-# Cold-start processes in run order, each with the mode it runs in (see coldstart.py).
+# Cold-start processes in run order, each with the mode it runs in (see coldstart.py). Each
+# override level starts from an empty Triton cache of its own, which its second run finds warm.
 COLDSTART_RUNS = {"plain": "plain", "override, cold caches": "override",
-                  "override, warm caches": "override"}
+                  "override, warm caches": "override",
+                  "override aten, cold caches": "override-aten",
+                  "override aten, warm caches": "override-aten"}
 
 
 def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -> int:
