@@ -92,11 +92,13 @@ MM_TILES: tuple[TileConfig, ...] = (
 # are small, so one modest tile serves every shape there.
 INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 
-# The gated MLP's elementwise backward (kernels/glu.py): BLOCK_M slots a program, BLOCK_N columns
-# a step, num_warps. A few rows per program keep the row sums in one program (deterministic)
-# while the grid still has S / 32 programs; the interpreter takes wide steps (per-step cost).
-GLU_BACKWARD_TILE = (32, 128, 4)
-INTERPRETER_GLU_BACKWARD_TILE = (16, 64, 1)
+# moe_mlp's elementwise kernels (kernels/glu.py, kernels/combine.py): BLOCK_M rows (slots or
+# tokens) a program, BLOCK_N columns a step or a program, num_warps. Set for the gated
+# activation's backward: a few rows per program keep its row sums in one program
+# (deterministic) while the grid still has S / 32 programs; the interpreter takes wide steps
+# (per-step cost).
+MOE_ELEMENTWISE_TILE = (32, 128, 4)
+INTERPRETER_MOE_ELEMENTWISE_TILE = (16, 64, 1)
 
 # Split K only while a split keeps at least this many BLOCK_K steps: fewer, and the partial
 # tiles' write and re-read cost more than the parallelism gains.
@@ -880,6 +882,9 @@ def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: boo
 
 
 
-def glu_backward_tile() -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the gated MLP's elementwise backward."""
-    return INTERPRETER_GLU_BACKWARD_TILE if _device.interpreter_enabled() else GLU_BACKWARD_TILE
+def moe_elementwise_tile() -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of moe_mlp's elementwise kernels: the gated activation's
+    forward and backward, and the combine."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_MOE_ELEMENTWISE_TILE
+    return MOE_ELEMENTWISE_TILE

@@ -22,7 +22,8 @@ def combine_kernel(
     # Program (p, q) takes tokens [p * BLOCK_T, (p + 1) * BLOCK_T) and columns
     # [q * BLOCK_N, (q + 1) * BLOCK_N): out[t, n] = sum_j w[t, j] * y[positions[t, j], n], over
     # the slots j whose position is below offs[E - 1], the end of the last expert's rows (a slot
-    # of no expert adds nothing; its row of y was never written). Without HAS_WEIGHTS, w = 1.
+    # of no expert adds nothing; its row of y was never written), and not negative (no read
+    # outside y whatever positions holds). Without HAS_WEIGHTS, w = 1.
     tokens = tl.program_id(axis=0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(axis=1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_tokens = tokens < T
@@ -33,7 +34,7 @@ def combine_kernel(
     for j in range(TOP_K):
         position = tl.load(positions_ptr + tokens_64 * stride_positions_t
                            + j * stride_positions_j, mask=in_tokens, other=0)
-        valid = in_tokens & (position < routed)
+        valid = in_tokens & (position >= 0) & (position < routed)
         rows = y_ptr + position.to(tl.int64)[:, None] * stride_y
         y = tl.load(rows + cols[None, :], mask=valid[:, None] & in_cols[None, :], other=0.0)
         y = y.to(tl.float32)

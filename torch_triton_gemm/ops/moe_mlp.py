@@ -258,7 +258,7 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
     launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, per_slot, False)
     if launch is not None:
         run_grouped_launch(launch, a, b, offs, None, per_slot, traceable)
-    block_t, block_n, num_warps = tuning.glu_backward_tile()
+    block_t, block_n, num_warps = tuning.moe_elementwise_tile()
     grid = ((tokens + block_t - 1) // block_t, (out.shape[1] + block_n - 1) // block_n)
     weights = row_weights if row_weights is not None else rows
     launch_kernel(combine_kernel, grid,
@@ -307,7 +307,7 @@ def _glu_backward_impl(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Ten
         return h_weighted, grad_pre, grad_weights
     error = _device.kernel_device_error(pre.device)
     check(error is None, lambda: f"{GLU_BACKWARD_OP}: {error}")
-    block_m, block_n, num_warps = tuning.glu_backward_tile()
+    block_m, block_n, num_warps = tuning.moe_elementwise_tile()
     grid = ((slots + block_m - 1) // block_m,)
     launch_kernel(glu_backward_kernel, grid,
                   (pre, grad, weights, order, h_weighted, grad_pre, grad_weights, slots, inter,
@@ -327,8 +327,7 @@ def glu_forward(pre: torch.Tensor, activation: str) -> torch.Tensor:
     h = pre.new_empty(slots, width // 2)
     if slots == 0 or width == 0:
         return h
-    # The elementwise forward takes the backward's tile.
-    block_m, block_n, num_warps = tuning.glu_backward_tile()
+    block_m, block_n, num_warps = tuning.moe_elementwise_tile()
     grid = ((slots + block_m - 1) // block_m, (width // 2 + block_n - 1) // block_n)
     launch_kernel(glu_forward_kernel, grid,
                   (pre, h, slots, width // 2, pre.stride(0), h.stride(0), activation),
