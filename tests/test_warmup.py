@@ -336,6 +336,99 @@ def test_variant_keys_follow_triton_specialisation():
     assert key("k", (real, None, "gelu"), {}, 0) == key("k", (aligned, None, "gelu"), {}, 0)
 
 
+# --- worker processes ---------------------------------------------------------------------------
+
+_WORKER_SCRIPT = """
+import os, sys, torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from torch_triton_gemm.ops import compile_pool
+from torch_triton_gemm.ops.compile_worker import OfflineDriver, PointerSpec
+from torch_triton_gemm.kernels.glu import glu_forward_kernel as kernel
+
+def entries():
+    root = os.environ["TRITON_CACHE_DIR"]
+    return {os.path.join(d, f) for d, _, files in os.walk(root) for f in files}
+
+# No GPU here: this process answers Triton's device questions as a worker does (sm_90).
+driver.set_active(OfflineDriver(0, GPUTarget("cuda", 90, 32)))
+args = (PointerSpec(torch.bfloat16, True), PointerSpec(torch.bfloat16, False), 64, 32, 64, 32,
+        "silu")
+meta = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
+print(compile_pool.compile_in_worker(kernel, (2, 1), args, meta, 0))
+compiled = entries()
+print(any(name.endswith(".cubin") for name in compiled))
+kernel.warmup(*args, grid=(2, 1), **meta)  # here: found in the file cache, nothing added
+print(entries() == compiled, len(compile_pool._ALL_WORKERS))
+"""
+
+
+def test_a_worker_process_compiles_into_tritons_file_cache(tmp_path):
+    """A compile worker process compiles a variant for sm_90 (no GPU needed) into
+    TRITON_CACHE_DIR, and the same variant compiled here afterwards adds nothing to that cache:
+    worker and caller agree on Triton's cache key, so a launch only loads what the worker
+    built."""
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="",
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    env["PYTHONPATH"] = os.pathsep.join((REPO, env.get("PYTHONPATH", "")))
+    proc = subprocess.run([sys.executable, "-c", _WORKER_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True", "True", "1"]
+
+
+def test_a_worker_that_cannot_start_leaves_compilation_to_the_thread(monkeypatch):
+    """A worker process that ends without answering: the variant is left to the calling
+    thread (False), and no further worker is started in this process."""
+    from triton.runtime.driver import driver
+
+    from torch_triton_gemm.kernels.glu import glu_forward_kernel
+    from torch_triton_gemm.ops.compile_worker import OfflineDriver
+
+    started = []
+
+    class Exits(compile_pool.WorkerProcess):
+        def __init__(self, device, target):
+            started.append(device)
+            self.answered = False
+            self.process = subprocess.Popen([sys.executable, "-c", "pass"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    monkeypatch.setattr(compile_pool, "WorkerProcess", Exits)
+    monkeypatch.setattr(driver, "_active", OfflineDriver(0, "a target"))
+    monkeypatch.setattr(compile_pool, "_WORKERS_FAIL_TO_START", threading.Event())
+    args = (torch.empty(4, dtype=torch.float16), torch.empty(4, dtype=torch.float16), 4, 2, 4, 2,
+            "silu")
+    for _ in range(2):
+        assert not compile_pool.compile_in_worker(glu_forward_kernel, (1, 1), args,
+                                                  {"BLOCK_M": 16, "BLOCK_N": 16}, 0)
+    assert started == [0]
+
+
+def test_what_a_worker_receives():
+    """Pointer arguments (tensors and stand-ins) go as dtype and alignment; a kernel goes by
+    module and name, where that name finds it; the process count reads its variable."""
+    from torch_triton_gemm.kernels.glu import glu_forward_kernel
+    from torch_triton_gemm.ops.compile_worker import PointerSpec
+
+    base = torch.empty(8, dtype=torch.float16)
+    sent = compile_pool.worker_arguments((base, base[1:], None, 3, "silu", True))
+    assert [(s.dtype, s.data_ptr() % 16 == 0) for s in sent[:2]] == [
+        (torch.float16, True), (torch.float16, False)]
+    assert sent[2:] == (None, 3, "silu", True)
+    assert all(isinstance(s, PointerSpec) for s in sent[:2])
+    assert compile_pool.worker_arguments((object(),)) is None
+    assert compile_pool.kernel_reference(glu_forward_kernel) == (
+        "torch_triton_gemm.kernels.glu", "glu_forward_kernel")
+    assert compile_pool.kernel_reference(lambda: None) is None
+    for value, count in (("", 0), ("0", 0), ("4", 4), ("x", 0), ("-2", 0)):
+        os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"] = value
+        try:
+            assert compile_pool.compile_processes() == count
+        finally:
+            del os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"]
+
+
 # --- the hooks of tgemm::mm's first calls ---------------------------------------------------------
 
 def _fake_background(monkeypatch: pytest.MonkeyPatch, pool: compile_pool.CompilePool,

@@ -15,6 +15,12 @@ package starts that on a daemon thread (``prime``, CUDA builds of torch only), s
 finds it done; a launch or worker that needs it sooner waits for that thread rather than
 hashing a second time.
 
+With TORCH_TRITON_GEMM_COMPILE_PROCESSES=N (N > 0; 0, the default, keeps to threads) each of
+N threads drives a worker process of its own (compile_worker.py), started on first use: the
+process compiles the variant into Triton's on-disk cache beside this one, without its GIL, and
+the thread then loads it from that cache into the in-memory one. A variant the worker cannot
+compile (or a worker that fails) is compiled on the thread as without workers.
+
 Rules: a variant is compiled once (a call that needs it while it compiles waits for that
 compilation rather than starting its own); a call never waits for other variants (one still
 queued is taken back, and the call compiles it itself); Triton caches a kernel only once it is
@@ -24,9 +30,15 @@ compilation says so once per process on the ``torch_triton_gemm`` logger.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import os
+import pathlib
+import pickle
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -36,6 +48,7 @@ from typing import Any
 import torch
 
 from .. import device as _device
+from .compile_worker import PointerSpec
 
 LOG = logging.getLogger("torch_triton_gemm")
 NOTICE_S = 1.0  # waits on compilation longer than this are reported (once)
@@ -81,14 +94,15 @@ class CompilePool:
         self._primer: threading.Thread | None = None
 
     def workers(self) -> int:
-        """The worker threads: TORCH_TRITON_GEMM_COMPILE_THREADS, else half the CPU cores (the
-        calling threads compile too), at least one and at most 8."""
+        """The worker threads: TORCH_TRITON_GEMM_COMPILE_THREADS, else one per worker process
+        (``compile_processes``), else half the CPU cores (the calling threads compile too), at
+        least one and at most 8."""
         if self._workers is not None:
             return self._workers
         env = os.environ.get("TORCH_TRITON_GEMM_COMPILE_THREADS")
         if env:
             return max(1, int(env))
-        return max(1, min(8, (os.cpu_count() or 2) // 2))
+        return compile_processes() or max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def prime(self, job: Callable[[], Any]) -> None:
         """Run ``job``, a one-time cost that compilations wait for, on a daemon thread now
@@ -219,9 +233,146 @@ class CompilePool:
 def compile_variant(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                     meta: Mapping[str, Any], device: int) -> None:
     """Compile one variant into Triton's cache without launching it, on ``device`` (a worker
-    thread's current device is the first GPU otherwise)."""
+    thread's current device is the first GPU otherwise): in this thread's worker process first
+    when there are worker processes (then Triton's warmup here loads it from the file cache)."""
     with torch.cuda.device(device):
+        if compile_processes():
+            compile_in_worker(kernel, grid, args, meta, device)
         kernel.warmup(*args, grid=grid, **meta)
+
+
+# --- worker processes -------------------------------------------------------------------------
+
+def compile_processes() -> int:
+    """TORCH_TRITON_GEMM_COMPILE_PROCESSES: worker processes compiling variants (0, the default,
+    or not a number: none)."""
+    value = os.environ.get("TORCH_TRITON_GEMM_COMPILE_PROCESSES", "0")
+    return max(0, int(value)) if value.strip().isdigit() else 0
+
+
+class WorkerProcess:
+    """One compile worker process (compile_worker.py) for one CUDA device, driven by one thread.
+
+    Started with this package importable (its root first on PYTHONPATH) and with worker
+    processes of its own switched off; its output other than the protocol's is discarded (the
+    calling thread's own compilation reports what fails)."""
+
+    def __init__(self, device: int, target: Any) -> None:
+        root = str(pathlib.Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, TORCH_TRITON_GEMM_COMPILE_PROCESSES="0")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch_triton_gemm.ops.compile_worker"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.answered = False
+        self._send(("init", device, target))
+
+    def _send(self, frame: tuple[Any, ...]) -> None:
+        pickle.dump(frame, self.process.stdin)
+        self.process.stdin.flush()
+
+    def compile(self, module: str, name: str, grid: tuple[int, ...], args: tuple[Any, ...],
+                meta: dict[str, Any]) -> bool:
+        """Compile a variant of ``module.name``; whether the worker did. Raises EOFError where
+        the worker ended or gave no answer within WORKER_TIMEOUT_S (it is killed then)."""
+        self._send(("compile", module, name, grid, args, meta))
+        ready, _, _ = select.select([self.process.stdout], [], [], WORKER_TIMEOUT_S)
+        if not ready:
+            self.process.kill()
+            raise EOFError("the compile worker did not answer")
+        reply = pickle.load(self.process.stdout)
+        self.answered = True
+        return reply[0] == "ok"
+
+    def close(self) -> None:
+        """End the worker (it exits at the end of its input)."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+
+
+# A worker that has not answered in this long is taken to hang (a compilation takes seconds).
+WORKER_TIMEOUT_S = 600.0
+_THREAD_WORKERS = threading.local()  # device index -> this thread's WorkerProcess
+_ALL_WORKERS: list[WorkerProcess] = []
+_ALL_WORKERS_LOCK = threading.Lock()
+# Set when a worker ends before its first answer (it cannot start here): no more are started.
+_WORKERS_FAIL_TO_START = threading.Event()
+
+
+def kernel_reference(kernel: Any) -> tuple[str, str] | None:
+    """(module, name) under which a worker process imports ``kernel``, or None where the kernel
+    is not a module-level Triton kernel of an imported module."""
+    fn = getattr(kernel, "fn", None)
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__name__", None)
+    if module is None or name is None:
+        return None
+    if getattr(sys.modules.get(module), name, None) is not kernel:
+        return None
+    return module, name
+
+
+def worker_arguments(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``args`` as a worker receives them: pointer arguments (tensors and stand-ins) as
+    ``PointerSpec``, plain values as they are; None where one is neither."""
+    out = []
+    for arg in args:
+        if hasattr(arg, "data_ptr") and hasattr(arg, "dtype"):
+            out.append(PointerSpec(arg.dtype, arg.data_ptr() % 16 == 0))
+        elif arg is None or isinstance(arg, (bool, int, float, str)):
+            out.append(arg)
+        else:
+            return None
+    return tuple(out)
+
+
+def compile_in_worker(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+                      meta: Mapping[str, Any], device: int) -> bool:
+    """Compile a variant in this thread's worker process for ``device`` (started on first use)
+    into Triton's file cache; whether it did. A worker that fails is ended and replaced on the
+    thread's next variant."""
+    reference, sent = kernel_reference(kernel), worker_arguments(args)
+    if reference is None or sent is None or _WORKERS_FAIL_TO_START.is_set():
+        return False
+    workers = _THREAD_WORKERS.__dict__
+    worker = workers.get(device)
+    try:
+        if worker is None:
+            from triton.runtime.driver import driver
+
+            worker = WorkerProcess(device, driver.active.get_current_target())
+            with _ALL_WORKERS_LOCK:
+                _ALL_WORKERS.append(worker)
+            workers[device] = worker
+        return worker.compile(*reference, tuple(grid), sent, dict(meta))
+    except Exception:  # noqa: BLE001 -- the thread compiles the variant itself
+        if worker is None or not worker.answered:
+            _WORKERS_FAIL_TO_START.set()
+        if worker is not None:
+            worker.close()
+        workers.pop(device, None)
+        return False
+
+
+@atexit.register
+def _close_workers() -> None:
+    with _ALL_WORKERS_LOCK:
+        for worker in _ALL_WORKERS:
+            worker.close()
+        _ALL_WORKERS.clear()
+
+
+def _forget_workers_after_fork() -> None:
+    # A fork's child does not use its parent's worker processes (they answer the parent's
+    # threads), nor a lock a parent thread may have held at the fork.
+    global _ALL_WORKERS_LOCK
+    _ALL_WORKERS_LOCK = threading.Lock()
+    _ALL_WORKERS.clear()
+    _THREAD_WORKERS.__dict__.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
 def prepare_kernel(kernel: Any, device: int) -> None:
