@@ -425,6 +425,9 @@ def test_what_a_worker_receives():
         os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"] = value
         try:
             assert compile_pool.compile_processes() == count
+            # One compile thread per worker process (unless the threads are set).
+            threads = compile_pool.CompilePool(lambda: None).workers()
+            assert threads == count or not count
         finally:
             del os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"]
 
