@@ -12,13 +12,18 @@ What is checked, against float64 references of the full (unsharded) tensors:
   the same DTensors (counted with CommDebugMode);
 - override() in a ColwiseParallel -> gelu -> RowwiseParallel MLP, at the Python and the aten
   level: the same output and local weight-gradient shards as without it, the same collectives,
-  and tgemm launched on the shards.
+  and tgemm launched on the shards;
+- a small Llama (transformers, built from a config) whose attention and MLP projections are
+  column- and row-wise parallel, one training step's forward and backward under override() at
+  both levels: loss, logits and every gradient against the same model unsharded on one device
+  (fp32 on CPU ranks, bf16 on GPUs), every linear routed, none left to PyTorch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import pathlib
 import random
@@ -32,6 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+# tests/ is on the path of the test process and of the ranks it spawns.
+from test_models import Results, Size, assert_close_results, build_llama, forward_backward
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -324,8 +332,58 @@ def _check_mlp(mesh: DeviceMesh, device: str) -> dict[str, Any]:
     return runs
 
 
+# Each rank holds one of the 2 key-value heads; the intermediate size (and each projection's
+# output) differs from every other dimension, so a launch shows whether it ran on a shard.
+LLAMA_SIZES = {
+    "cpu": Size(hidden=32, layers=2, heads=2, kv_heads=2, intermediate=96, vocab=64, experts=0,
+                batch=2, seq=8),
+    "cuda": Size(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=768, vocab=512,
+                 experts=0, batch=2, seq=64),
+}
+# Megatron-style: q, k, v, gate and up split by output columns (heads), o and down by input
+# rows; embedding, norms and lm_head stay replicated.
+LLAMA_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def _full_results(got: Results) -> tuple[Any, ...]:
+    """``got`` on the CPU, sharded gradients gathered (a collective: every rank calls it), as
+    a plain tuple (what a rank's saved results may hold)."""
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+    return (full(got.loss), full(got.logits),
+            {name: full(grad) for name, grad in got.grads.items()})
+
+
+def _check_llama(mesh: DeviceMesh, device: str) -> dict[str, Any]:
+    """One training step of a small Llama: unsharded on this rank's device, then tensor
+    parallel without override(), and under it at the Python and the aten level."""
+    size = LLAMA_SIZES[device]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_llama(size).to(device, dtype)
+    tokens = torch.randint(size.vocab, (size.batch, size.seq), device=device)
+    runs: dict[str, Any] = {
+        "one device": {"results": _full_results(forward_backward(model, model, tokens))}}
+    for name in ("tensor parallel", "override", "override aten"):
+        tp = copy.deepcopy(model)
+        for layer in tp.model.layers:
+            parallelize_module(layer, mesh, LLAMA_PLAN)
+        ov = tg.override(level="aten" if name == "override aten" else "python")
+        routing = ov if name != "tensor parallel" else contextlib.nullcontext()
+        with _mm_launches() as launches, routing:
+            got = forward_backward(tp, tp, tokens)
+        runs[name] = {"results": _full_results(got), "counts": dict(ov.counts),
+                      "launches": launches}
+    return {"dtype": dtype, "size": dataclasses.asdict(size), "runs": runs}
+
+
 CHECKS: dict[str, Callable[[DeviceMesh, str], dict[str, Any]]] = {
     "mm": _check_mm, "grouped_mm": _check_grouped, "scaled_mm": _check_scaled, "mlp": _check_mlp,
+    "llama": _check_llama,
 }
 
 
@@ -459,6 +517,29 @@ def _assert_mlp(results: list[dict[str, Any]]) -> None:
             assert shard in launch and MLP_HIDDEN not in launch, below["launches"]
 
 
+def _assert_llama(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        llama, runs = rank["llama"], rank["llama"]["runs"]
+        size, one_device = Size(**llama["size"]), Results(*runs["one device"]["results"])
+        for name in ("tensor parallel", "override", "override aten"):
+            assert_close_results(Results(*runs[name]["results"]), one_device, llama["dtype"])
+        # Python level: each layer's 7 projections and lm_head, all through F.linear without
+        # bias; nothing left to PyTorch.
+        counts = runs["override"]["counts"]
+        assert counts["mm"] == 7 * size.layers + 1 and counts["fallback"] == 0, counts
+        assert sum(runs["override aten"]["counts"].values()) > 0
+        assert runs["override aten"]["counts"]["fallback"] == 0, runs["override aten"]["counts"]
+        assert runs["tensor parallel"]["launches"] == []
+        # tgemm ran the sharded projections on their local shards: the MLP's on half the
+        # intermediate size, never on all of it.
+        for name in ("override", "override aten"):
+            launches = runs[name]["launches"]
+            # forward, input and weight gradients of every projection and of lm_head
+            assert len(launches) == 3 * (7 * size.layers + 1), (name, launches)
+            assert not any(size.intermediate in launch for launch in launches), launches
+            assert any(size.intermediate // WORLD in launch for launch in launches), launches
+
+
 # A loop bounded by a scalar argument, in Triton's interpreter: what every tgemm kernel runs.
 _INTERPRETER_PROBE = """
 import torch, triton, triton.language as tl
@@ -504,6 +585,10 @@ def test_tensor_parallel_mlp_under_override(cpu_ranks):
     _assert_mlp(cpu_ranks)
 
 
+def test_tensor_parallel_llama_under_override(cpu_ranks):
+    _assert_llama(cpu_ranks)
+
+
 class _Tagged(torch.Tensor):
     """A tensor subclass of the kind override() leaves to PyTorch (not a DTensor)."""
 
@@ -528,6 +613,7 @@ def test_tensor_parallel_on_two_gpus(tmp_path):
     _assert_grouped(results)
     _assert_scaled(results, 1e-3)
     _assert_mlp(results)
+    _assert_llama(results)
 
 
 # Sharding propagation computes an op's output metadata on FakeTensors (torch 2.11 builds them on
