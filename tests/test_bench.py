@@ -108,7 +108,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them
 # ("training" is this benchmark's own: 8 layers, three GEMMs each).
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
-                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 5, "grouped": 13,
+                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 7, "grouped": 13,
                      "scaled": 95, "sgrouped": 24, "moe": 8, "training": 24, "classes": 21,
                      "sweep": 400}
 
@@ -548,7 +548,11 @@ def _run_results() -> RunResults:
                    ColdStartResult("override, cold caches", 30.0, 101.0, 50.0, 10.4),
                    ColdStartResult("override, warm caches", error="TimeoutExpired: 300 s"),
                    ColdStartResult("override aten, cold caches", 20.0, 99.0, 40.0, 10.4),
-                   ColdStartResult("override aten, warm caches", 2.4, 99.0, 21.0, 10.4)],
+                   ColdStartResult("override aten, warm caches", 2.4, 99.0, 21.0, 10.4),
+                   ColdStartResult("override, PyTorch while compiling, cold caches", 2.5, 100.0,
+                                   30.0, 10.4),
+                   ColdStartResult("override aten, PyTorch while compiling, cold caches", 2.6,
+                                   100.0, 30.0, 10.4)],
         notes=["something: skipped (a reason)"],
     )
 
@@ -599,7 +603,7 @@ def test_csv_has_every_row_at_full_precision(tmp_path):
     report.write_csv(str(path), results.records())
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 5
+    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 7
     qkv = rows[0]
     assert (qkv["suite"], qkv["name"], qkv["M"], qkv["dtype"]) == ("llama", "qkv", "1", "bf16")
     assert float(qkv["ratio"]) == pytest.approx(1.25)

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from samples import rel_error
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
@@ -510,6 +511,111 @@ def test_a_call_nothing_records_submits_no_backward(monkeypatch, fresh_pool):
     tg.mm(x, w)
     other = compile_ahead.linear_spec(8, 8, 16, DTYPE, DEVICE, "nn")
     assert set(submitted) == _keys([spec]) | _keys(warming.all_specs([other]))
+
+
+# --- override(while_compiling="pytorch") ---------------------------------------------------------
+
+def _gated_background(monkeypatch: pytest.MonkeyPatch, pool: compile_pool.CompilePool,
+                      gated: set[tuple]) -> threading.Event:
+    """Background compilation on for CPU calls, with a fake compile that holds the variants in
+    ``gated`` until the returned event is set (the others compile at once)."""
+    release = threading.Event()
+
+    def gated_compile(kernel, grid, args, meta, device):  # type: ignore[no-untyped-def]
+        if compile_pool.variant_key(kernel, args, meta, device) in gated:
+            assert release.wait(30)
+
+    monkeypatch.setattr(compile_ahead, "background_enabled", lambda device: True)
+    monkeypatch.setattr(pool, "_compile", gated_compile)
+    monkeypatch.setattr(pool, "_workers", 4)
+    return release
+
+
+def _linear_step(model: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    out = model(x)
+    out.backward(grad)
+    return (out.detach(), x.grad, *(p.grad for p in model.parameters()))
+
+
+@pytest.mark.parametrize("level", ["python", "aten"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pytorch_runs_the_calls_whose_kernels_compile(monkeypatch, fresh_pool, level, bias):
+    M, N, K = 24, 40, 32
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, bias=bias)
+    forward, everything = _keys([spec]), _keys(warming.all_specs([spec]))
+    release = _gated_background(monkeypatch, fresh_pool, everything)
+    model = torch.nn.Linear(K, N, bias=bias, device=DEVICE, dtype=DTYPE)
+    x = torch.randn(M, K, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    grad = torch.randn(M, N, device=DEVICE, dtype=DTYPE)
+    plain = _linear_step(model, x, grad)
+    launched = _record_launches(monkeypatch)
+    ov = tg.override(level=level, while_compiling="pytorch")
+    with ov:
+        first = _linear_step(model, x, grad)
+    # Nothing built: the step ran as plain PyTorch's, bit for bit, and every kernel it and
+    # its backward will need is compiling.
+    assert launched == [] and ov.ran_while_compiling >= 1
+    assert sum(ov.counts.values()) >= 1 and ov.counts["fallback"] == 0, ov.counts
+    for got, want in zip(first, plain):
+        assert torch.equal(got, want)
+    assert all(fresh_pool.future(key) is not None for key in everything)
+    release.set()
+    fresh_pool.drain()
+    ran_before = ov.ran_while_compiling
+    with ov:
+        second = _linear_step(model, x, grad)
+    # Built: the forward and both gradients on tgemm (the bias gradient is a sum).
+    assert ov.ran_while_compiling == ran_before
+    assert forward <= set(launched) <= everything and len(launched) >= 3, launched
+    ref = [t.double() for t in plain]
+    for got, want in zip(second, ref):
+        assert rel_error(got, want) <= 1e-2
+
+
+def test_gradients_run_on_pytorch_while_theirs_compile(monkeypatch, fresh_pool):
+    M, N, K = 24, 40, 32
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)
+    forward, everything = _keys([spec]), _keys(warming.all_specs([spec]))
+    release = _gated_background(monkeypatch, fresh_pool, everything - forward)
+    model = torch.nn.Linear(K, N, bias=False, device=DEVICE, dtype=DTYPE)
+    x = torch.randn(M, K, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    grad = torch.randn(M, N, device=DEVICE, dtype=DTYPE)
+    plain = _linear_step(model, x, grad)
+    ov = tg.override(while_compiling="pytorch")
+    with ov:
+        _linear_step(model, x, grad)  # submits everything; the forward's kernels compile at once
+    for key in forward:
+        fresh_pool.future(key).result(30)
+    launched = _record_launches(monkeypatch)
+    with ov:
+        routed = _linear_step(model, x, grad)
+    # The forward on tgemm; its gradients on PyTorch, their kernels still compiling.
+    assert set(launched) == forward
+    assert rel_error(routed[0], plain[0].double()) <= 1e-2
+    assert torch.equal(routed[1], plain[1]) and torch.equal(routed[2], plain[2])
+    release.set()
+
+
+def test_direct_calls_and_the_default_wait(monkeypatch, fresh_pool):
+    M, N, K = 24, 48, 32
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)
+    release = _gated_background(monkeypatch, fresh_pool, _keys([spec]))
+    threading.Timer(0.3, release.set).start()
+    a, b = _operand(M, K, False, False), _operand(K, N, True, False)
+    with tg.override(while_compiling="pytorch"):
+        begin = time.perf_counter()
+        out = tg.mm(a, b)  # a direct call: tgemm, waiting for its kernels
+    assert time.perf_counter() - begin >= 0.25
+    assert rel_error(out, a.double() @ b.double()) <= 1e-2
+    monkeypatch.setenv("TORCH_TRITON_GEMM_WHILE_COMPILING", "pytorch")
+    assert tg.override().while_compiling == "pytorch"
+    monkeypatch.delenv("TORCH_TRITON_GEMM_WHILE_COMPILING")
+    assert tg.override(level="aten").while_compiling == "wait"
+    with pytest.raises(ValueError, match="while_compiling"):
+        tg.override(while_compiling="aten")
 
 
 def test_background_compilation_switch(monkeypatch):

@@ -24,6 +24,7 @@ bottom: the entry points, the mode, and the public function.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from .aten_override import AtenGemmOverride
 from .routing import (
     FAMILIES,
+    WHILE_COMPILING,
     Router,
     _Plan,
     _plan_addmm,
@@ -80,9 +82,10 @@ class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
     them, also across graph breaks inside the context.
     """
 
-    def __init__(self, ops: frozenset[str], min_size: int, log: bool) -> None:
+    def __init__(self, ops: frozenset[str], min_size: int, log: bool,
+                 while_compiling: str = "wait") -> None:
         TorchFunctionMode.__init__(self)
-        Router.__init__(self, ops, min_size, log)
+        Router.__init__(self, ops, min_size, log, while_compiling)
 
     def __repr__(self) -> str:
         return f"override({self._describe_settings()})"
@@ -94,9 +97,10 @@ class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
             return func(*args, **kwargs)
         name, planner = entry
         plan = self.decide(name, planner(args, kwargs), args)
-        if plan is None:
+        result = None if plan is None else self.run(plan)
+        if result is None:
             return _call_past_overrides(func, args, kwargs)
-        return plan.run()
+        return result
 
 
 def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -126,7 +130,7 @@ def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
 # --- public API ---------------------------------------------------------------------------------
 
 def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False,
-             level: str = "python") -> Router:
+             level: str = "python", while_compiling: str | None = None) -> Router:
     """Run PyTorch's matrix products on tgemm inside a ``with`` block or decorated function.
 
     Routed entry points (function and Tensor-method forms):
@@ -201,11 +205,21 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
         log: log each decision on the ``torch_triton_gemm.override`` logger: routed calls at
             DEBUG, calls left to PyTorch (with the reason) at INFO.
         level: ``"python"`` (a TorchFunctionMode) or ``"aten"`` (dispatcher kernels).
+        while_compiling: what an eager call routed to ``tgemm.mm`` does while the kernels it
+            needs compile (a fresh process's first calls of each shape): ``"wait"`` for them
+            (what a direct tgemm call does), or ``"pytorch"``: run the call as PyTorch would,
+            its kernels (and its backward's) compiling in the background, and route it to
+            tgemm from the first call after they are built; so a first training step takes
+            about the time of plain PyTorch's. Gradients of a routed call run on PyTorch too
+            while theirs compile. Calls traced by torch.compile or captured in CUDA graphs
+            always wait. Default: ``TORCH_TRITON_GEMM_WHILE_COMPILING``, else ``"wait"``.
 
     Returns:
         A context manager and decorator. Its ``counts`` dict gives the routed calls per family
-        and the calls left to PyTorch under ``"fallback"``. At the Python level calls inside
-        compiled code are decided once when Dynamo traces them and are not counted or logged;
+        and the calls left to PyTorch under ``"fallback"``; ``ran_while_compiling``, the
+        routed calls that ran on PyTorch while their kernels compiled. At the Python level
+        calls inside compiled code are decided once when Dynamo traces them and are not
+        counted or logged;
         at the aten level every call is counted, compiled or not.
 
     Example:
@@ -223,8 +237,13 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
         raise ValueError(f"override: unknown ops {unknown}; choose from {FAMILIES}")
     if min_size < 0:
         raise ValueError(f"override: min_size must be >= 0, got {min_size}")
+    if while_compiling is None:
+        while_compiling = os.environ.get("TORCH_TRITON_GEMM_WHILE_COMPILING", "wait")
+    if while_compiling not in WHILE_COMPILING:
+        raise ValueError(f"override: while_compiling must be one of {WHILE_COMPILING}, got "
+                         f"{while_compiling!r}")
     if level == "python":
-        return GemmOverride(frozenset(selected), int(min_size), bool(log))
+        return GemmOverride(frozenset(selected), int(min_size), bool(log), while_compiling)
     if level == "aten":
-        return AtenGemmOverride(frozenset(selected), int(min_size), bool(log))
+        return AtenGemmOverride(frozenset(selected), int(min_size), bool(log), while_compiling)
     raise ValueError(f"override: level must be 'python' or 'aten', got {level!r}")

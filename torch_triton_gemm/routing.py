@@ -23,12 +23,16 @@ from . import sharding as _sharding
 from .ops import grouped_mm as _grouped_mm_module
 from .ops import scaled_grouped_mm as _scaled_grouped_mm_module
 from .ops import scaled_mm as _scaled_mm_module
+from .ops.compile_ahead import KernelsCompiling, pytorch_until_built
 from .ops.grouped_mm import grouped_mm as _tgemm_grouped
 from .ops.mm import mm as _tgemm
 from .ops.scaled_grouped_mm import scaled_grouped_mm as _tgemm_scaled_grouped
 from .ops.scaled_mm import scaled_mm as _tgemm_scaled
 
 FAMILIES = ("mm", "addmm", "bmm", "grouped", "scaled")
+# What a routed call does while the tgemm::mm kernels it needs compile: wait for them, or run on
+# PyTorch (see Router.run).
+WHILE_COMPILING = ("wait", "pytorch")
 
 _LOG = logging.getLogger("torch_triton_gemm.override")
 
@@ -498,11 +502,16 @@ class Router:
     """What both override levels share: the families to route, ``min_size``, the decision log
     and ``counts``."""
 
-    def __init__(self, ops: frozenset[str], min_size: int, log: bool) -> None:
+    def __init__(self, ops: frozenset[str], min_size: int, log: bool,
+                 while_compiling: str = "wait") -> None:
         self.ops = ops
         self.min_size = min_size
         self.log = log
+        self.while_compiling = while_compiling
+        self._pytorch_while_compiling = while_compiling == "pytorch"
         self.counts: dict[str, int] = dict.fromkeys((*FAMILIES, "fallback"), 0)
+        # Routed calls (counted in ``counts``) that ran on PyTorch while their kernels compiled.
+        self.ran_while_compiling = 0
         # Threads share this object; += on a dict entry is a read-modify-write, so increments
         # take the lock.
         self._counts_lock = threading.Lock()
@@ -533,6 +542,23 @@ class Router:
                 _LOG.debug("%s(%s) -> %s [%s]", name, _describe(args), plan.op, plan.family)
         return plan
 
+    def run(self, plan: _Plan) -> torch.Tensor | None:
+        """Run a routed call's plan; None where the router runs calls on PyTorch while their
+        kernels compile (``while_compiling="pytorch"``) and this call's are not built yet (its
+        kernels are then compiling in the background; the caller runs the call on PyTorch)."""
+        if not self._pytorch_while_compiling or torch.compiler.is_compiling():
+            return plan.run()
+        try:
+            with pytorch_until_built():
+                return plan.run()
+        except KernelsCompiling:
+            with self._counts_lock:
+                self.ran_while_compiling += 1
+            return None
+
     def _describe_settings(self) -> str:
-        return (f"ops={tuple(f for f in FAMILIES if f in self.ops)}, "
-                f"min_size={self.min_size}, log={self.log}")
+        settings = (f"ops={tuple(f for f in FAMILIES if f in self.ops)}, "
+                    f"min_size={self.min_size}, log={self.log}")
+        if self.while_compiling != "wait":
+            settings += f", while_compiling={self.while_compiling!r}"
+        return settings

@@ -1,6 +1,7 @@
 """One cold-start measurement, run in a fresh process by the benchmark's coldstart suite:
 
-    python -m torch_triton_gemm.bench.coldstart plain|override|override-aten|warmup
+    python -m torch_triton_gemm.bench.coldstart plain|override|override-aten|warmup \
+        [--while-compiling wait|pytorch]
 
 It builds the drop-in example's model (its GPU defaults, bf16), then times the first training
 steps (forward, cross-entropy, backward, AdamW step, each to completion), plainly or inside
@@ -9,8 +10,11 @@ step pays every one-time cost the process has not paid yet: CUDA and cuBLAS init
 under the override Triton's compilation of tgemm's kernels (no tuning sweeps: untuned shapes
 run the heuristic's plans), unless Triton's on-disk cache (``TRITON_CACHE_DIR``) already holds
 them. "warmup" runs ``torch_triton_gemm.warmup`` on
-the model first (its seconds as "warmup_s"), then the override's steps. It prints one JSON line:
-{"mode", "step_s": [seconds per step], "loss": first step's loss, "warmup_s" for "warmup"}.
+the model first (its seconds as "warmup_s"), then the override's steps. ``--while-compiling``
+is the override's ``while_compiling`` (default: its own). It prints one JSON line: {"mode",
+"step_s": [seconds per step], "loss": first step's loss, "warmup_s" for "warmup",
+"ran_while_compiling": the override's count of calls run on PyTorch while their kernels
+compiled}.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ STEPS = 3
 MODES = ("plain", "override", "override-aten", "warmup")
 
 
-def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
-    """Build the model and time ``steps`` training steps in ``mode``; the result as a dict."""
+def measure(mode: str, steps: int = STEPS, while_compiling: str | None = None
+            ) -> dict[str, object]:
+    """Build the model and time ``steps`` training steps in ``mode`` (the override's
+    ``while_compiling`` as given); the result as a dict."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     torch.manual_seed(0)
@@ -51,7 +57,8 @@ def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
     if mode == "plain":
         context = contextlib.nullcontext()
     else:
-        context = tg.override(level="aten" if mode == "override-aten" else "python")
+        context = tg.override(level="aten" if mode == "override-aten" else "python",
+                              while_compiling=while_compiling)
     with context:
         for _ in range(steps):
             start = time.perf_counter()
@@ -59,16 +66,21 @@ def measure(mode: str, steps: int = STEPS) -> dict[str, object]:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
+    if mode != "plain":
+        extra["ran_while_compiling"] = context.ran_while_compiling
     return {"mode": mode, "step_s": times, "loss": losses[0], **extra}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    while_compiling = None
+    if len(args) == 3 and args[1] == "--while-compiling":
+        args, while_compiling = args[:1], args[2]
     if len(args) != 1 or args[0] not in MODES:
-        print(f"usage: python -m torch_triton_gemm.bench.coldstart {'|'.join(MODES)}",
-              file=sys.stderr)
+        print(f"usage: python -m torch_triton_gemm.bench.coldstart {'|'.join(MODES)} "
+              "[--while-compiling wait|pytorch]", file=sys.stderr)
         return 2
-    print(json.dumps(measure(args[0])), flush=True)
+    print(json.dumps(measure(args[0], while_compiling=while_compiling)), flush=True)
     return 0
 
 

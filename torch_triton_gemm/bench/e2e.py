@@ -190,16 +190,19 @@ def parse_child_output(run: str, stdout: str, process_s: float) -> ColdStartResu
 def run_coldstart(timeout_s: float = 300.0) -> list[ColdStartResult]:
     """The first training steps of the drop-in example's model in fresh processes, one after
     the other (``COLDSTART_RUNS``): plain PyTorch, then twice under ``override()``, then twice
-    under ``override(level="aten")``. The processes of one mode share a new, empty Triton cache
-    directory, so its first override process compiles every kernel it needs and the second
-    finds them on disk (a user's second run)."""
+    under ``override(level="aten")``, then each level once more with
+    ``while_compiling="pytorch"``. The processes of one mode (and its arguments) share a new,
+    empty Triton cache directory, so its first override process compiles every kernel it needs
+    and the second finds them on disk (a user's second run)."""
     results = []
     with tempfile.TemporaryDirectory(prefix="tgemm-coldstart-") as caches:
         for run, mode in COLDSTART_RUNS.items():
-            env = _child_env(os.path.join(caches, mode))
+            env = _child_env(os.path.join(caches, "".join(c if c.isalnum() else "_"
+                                                          for c in mode)))
             print(f"coldstart: {run} ...", end=" ", file=sys.stderr, flush=True)
             start = time.perf_counter()
-            command = [sys.executable, "-m", "torch_triton_gemm.bench.coldstart", mode]
+            command = [sys.executable, "-m", "torch_triton_gemm.bench.coldstart",
+                       *mode.split()]
             try:
                 proc = subprocess.run(command, env=env, capture_output=True, text=True,
                                       timeout=timeout_s)

@@ -622,12 +622,17 @@ def sgrouped_cases(quick: bool = False) -> list[ScaledGroupedCase]:
 
 # --- counts for --list --------------------------------------------------------------------------
 
-# Cold-start processes in run order, each with the mode it runs in (see coldstart.py). Each
-# override level starts from an empty Triton cache of its own, which its second run finds warm.
+# Cold-start processes in run order, each with the mode it runs in and its arguments (see
+# coldstart.py). Each mode starts from an empty Triton cache of its own, which its second run
+# finds warm.
 COLDSTART_RUNS = {"plain": "plain", "override, cold caches": "override",
                   "override, warm caches": "override",
                   "override aten, cold caches": "override-aten",
-                  "override aten, warm caches": "override-aten"}
+                  "override aten, warm caches": "override-aten",
+                  "override, PyTorch while compiling, cold caches":
+                      "override --while-compiling pytorch",
+                  "override aten, PyTorch while compiling, cold caches":
+                      "override-aten --while-compiling pytorch"}
 
 
 def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -> int:

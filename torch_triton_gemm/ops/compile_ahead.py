@@ -15,6 +15,12 @@ Who asks:
 - ``torch_triton_gemm.warmup`` submits every product of a model or shape list, forward and
   backward, and waits for them.
 
+PyTorch while compiling (``override(while_compiling="pytorch")``): a routed call whose kernels
+are not built yet raises ``KernelsCompiling`` out of tgemm::mm's eager path, once its kernels
+(and its backward's) are submitted, and the override runs the call on PyTorch instead; the
+first call after they are built runs on tgemm. The override marks the calls it routes this way
+(``pytorch_until_built``), so direct tgemm calls never fall back.
+
 Background compilation is on for CUDA devices unless TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0.
 Under Triton's interpreter (CPU) and on devices tgemm does not compile for, there is nothing to
 compile: planning still runs, submission does not.
@@ -238,6 +244,70 @@ def submit(found: Iterable[Variant], pool: CompilePool | None = None) -> list[Fu
             prepare_kernel(variant.kernel, variant.device)
         futures.append(pool.submit(variant.key(), *variant[:4], variant.device))
     return futures
+
+
+# --- PyTorch while compiling ----------------------------------------------------------------------
+
+class KernelsCompiling(Exception):  # noqa: N818 -- a signal to the override, not an error
+    """A routed tgemm::mm call whose kernels are still compiling, raised where the caller asked
+    for it (``pytorch_until_built``): the override runs the call on PyTorch instead."""
+
+
+# Per thread: whether the tgemm::mm calls made now may raise KernelsCompiling.
+_UNTIL_BUILT = threading.local()
+
+
+class pytorch_until_built:  # noqa: N801 -- used as a context manager, like torch.no_grad
+    """While open (``on``), this thread's eager tgemm::mm calls whose kernels are not built yet
+    raise KernelsCompiling instead of waiting for them; the previous setting is restored on
+    exit."""
+
+    __slots__ = ("on", "_before")
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        self._before = getattr(_UNTIL_BUILT, "on", False)
+        _UNTIL_BUILT.on = self.on
+
+    def __exit__(self, *exc: object) -> None:
+        _UNTIL_BUILT.on = self._before
+
+
+def pytorch_until_built_on() -> bool:
+    """Whether this thread's tgemm::mm calls may raise KernelsCompiling now."""
+    return getattr(_UNTIL_BUILT, "on", False)
+
+
+def built(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
+          bias: torch.Tensor | None, out: torch.Tensor) -> bool:
+    """Whether a kept eager launch's kernels are built: launched on this device before, or
+    compiled by the pool (a failed compilation counts as built: the launch reports its error).
+    Where not, they are submitted to the pool. Devices without background compilation, and
+    CUDA graph captures (which must record tgemm's kernels), count as built: the call waits."""
+    if not background_enabled(a.device):
+        return True
+    device = _device_index(a.device)
+    if device in prepared.compiled[0]:
+        return True
+    if a.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return all(future.done() for future in submit(prepared_variants(prepared, a, b, bias, out)))
+
+
+def compiling_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                   activation: str, out: torch.Tensor) -> KernelsCompiling:
+    """The signal for a call left to PyTorch while its kernels compile, after submitting the
+    kernels of its backward (autograd records PyTorch's call instead, so the products tgemm's
+    backward would run are not submitted otherwise; a later step routes them)."""
+    if a.requires_grad or b.requires_grad:
+        bias_spec = None if bias is None else OperandSpec.of(bias)
+        spec = GemmSpec(OperandSpec.of(a), OperandSpec.of(b), bias_spec, activation, out.dtype)
+        for backward in backward_specs(spec, a.requires_grad, b.requires_grad):
+            submit(variants(backward))
+    return KernelsCompiling(
+        f"tgemm::mm {tuple(a.shape)} x {tuple(b.shape)}: kernels still compiling")
 
 
 # --- the hooks of tgemm::mm's eager calls ---------------------------------------------------------

@@ -149,6 +149,11 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, bias, activation,
                                         out_dtype)
     if prepared is not None:
+        # A call the override routes with while_compiling="pytorch" goes back to it while its
+        # kernels compile (compile_ahead.py).
+        if compile_ahead.pytorch_until_built_on() and not compile_ahead.built(
+                prepared, a, b, bias, out):
+            raise compile_ahead.compiling_call(a, b, bias, activation, out)
         run_kept(prepared, a, b, bias, out, None, None)
     return out
 
@@ -198,6 +203,8 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.bias_dtype = bias.dtype if bias is not None else None
     if getattr(compile_ahead.PENDING, "call", None) is not None:
         compile_ahead.recorded(a, b)  # a first call: its backward's kernels compile meanwhile
+    # A call routed with while_compiling="pytorch": so are its gradients' products.
+    ctx.pytorch_until_built = compile_ahead.pytorch_until_built_on()
 
 
 def _is_transposed(t: torch.Tensor) -> bool:
@@ -221,22 +228,38 @@ def _activation_grad(ctx, grad_out: torch.Tensor) -> torch.Tensor:  # type: igno
     return torch.ops.aten.silu_backward(grad_out.float(), z)
 
 
+def _gradient_product(x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype,
+                      pytorch_until_built: bool) -> torch.Tensor:
+    """x @ y in ``out_dtype`` for a gradient: tgemm::mm, or torch.mm while its kernels compile
+    where the forward was routed with while_compiling="pytorch"."""
+    if not pytorch_until_built:
+        return mm(x, y, out_dtype=out_dtype)
+    try:
+        with compile_ahead.pytorch_until_built():
+            return mm(x, y, out_dtype=out_dtype)
+    except compile_ahead.KernelsCompiling:
+        return torch.mm(x, y).to(out_dtype)
+
+
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
     a, b, _, _ = ctx.saved_tensors
     grad_z = _activation_grad(ctx, grad_out)
     grad_a = grad_b = grad_bias = None
+    until_built = getattr(ctx, "pytorch_until_built", False)
     # Each gradient in its input's layout, as aten's mm formulas give it: a weight passed as
     # W.t() gets a W.t()-shaped gradient, so W.grad is contiguous and autograd copies nothing.
     if ctx.needs_input_grad[0]:
         if ctx.a_transposed:
-            grad_a = mm(b, grad_z.to(ctx.b_dtype).t(), out_dtype=ctx.a_dtype).t()
+            grad_a = _gradient_product(b, grad_z.to(ctx.b_dtype).t(), ctx.a_dtype,
+                                       until_built).t()
         else:
-            grad_a = mm(grad_z.to(ctx.b_dtype), b.t(), out_dtype=ctx.a_dtype)
+            grad_a = _gradient_product(grad_z.to(ctx.b_dtype), b.t(), ctx.a_dtype, until_built)
     if ctx.needs_input_grad[1]:
         if ctx.b_transposed:
-            grad_b = mm(grad_z.to(ctx.a_dtype).t(), a, out_dtype=ctx.b_dtype).t()
+            grad_b = _gradient_product(grad_z.to(ctx.a_dtype).t(), a, ctx.b_dtype,
+                                       until_built).t()
         else:
-            grad_b = mm(a.t(), grad_z.to(ctx.a_dtype), out_dtype=ctx.b_dtype)
+            grad_b = _gradient_product(a.t(), grad_z.to(ctx.a_dtype), ctx.b_dtype, until_built)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = grad_z.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return grad_a, grad_b, grad_bias, None, None
