@@ -40,7 +40,8 @@ def _random_plan() -> tuning.MMPlan:
     stream_k = int(torch.randint(3, ())) if kernel == "tma" else 0
     return tuning.MMPlan(kernel, tile, split_k=1 if stream_k else int(torch.randint(1, 9, ())),
                          epilogue_subtile=tuning.epilogue_subtile(tile), stream_k=stream_k,
-                         pad=(None, True, False)[int(torch.randint(3, ()))])
+                         pad=(None, True, False)[int(torch.randint(3, ()))],
+                         split_fixup=bool(torch.randint(2, ())))
 
 
 def _plan_for(i: int) -> tuning.MMPlan:
@@ -81,6 +82,7 @@ BAD_FILES = {
     "kernel=evil": lambda good: _with_entry(good, "kernel", "evil"),
     "pad=1": lambda good: _with_entry(good, "pad", 1),
     "stream_k=-1": lambda good: _with_entry(good, "stream_k", -1),
+    "split_fixup=1": lambda good: _with_entry(good, "split_fixup", 1),
 }
 
 
@@ -100,6 +102,16 @@ def test_a_bad_file_is_set_aside_with_one_warning_and_rebuilt(case, cache_dir, r
     assert plan_cache.TunedPlans().get(GPU, KEY) == plan
     assert json.loads(path.read_text()) == {KEY: dataclasses.asdict(plan)}
     assert len(_cache_warnings(recwarn, path)) == 1
+
+
+def test_a_file_from_before_split_fixup_reads_back(cache_dir, recwarn):
+    plan = dataclasses.replace(_random_plan(), split_fixup=False)
+    entry = dataclasses.asdict(plan)
+    del entry["split_fixup"]
+    cache_dir.mkdir()
+    plan_cache.cache_path(GPU).write_text(json.dumps({KEY: entry}))
+    assert plan_cache.TunedPlans().get(GPU, KEY) == plan
+    assert not recwarn.list
 
 
 def test_a_good_file_reads_back_every_field(cache_dir, recwarn):

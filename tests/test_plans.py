@@ -7,6 +7,7 @@ so CI checks the Hopper kernel's indexing, edges and split-K reduction on small 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,6 +34,12 @@ PLANS = {
     # The interpreter counts 4 SMs: outputs of more than 4 tiles run whole waves unsplit.
     "portable-tail-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_tail=True),
     "tma-tail-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_tail=True),
+    # Splits that finish their own tiles (the portable kernel; a TMA plan keeps its reduction
+    # but passes the flag on where its operands fall back to the portable kernel).
+    "portable-split3-fixup": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_fixup=True),
+    "portable-tail-split3-fixup": tuning.MMPlan("portable", SMALL_TILE, split_k=3,
+                                                split_tail=True, split_fixup=True),
+    "tma-split3-fixup": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_fixup=True),
     # 128 columns: partial tiles go out in 64-column slices.
     "tma-wide-split3": tuning.MMPlan("tma", tuning.TileConfig(16, 128, 32, 1, 4, 2), split_k=3),
     "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
@@ -85,7 +92,8 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
 
 @pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
                                   "tma-tail-split3", "tma-wide-split3", "tma-stream-k",
-                                  "tma-stream-k2", "tma-wide-stream-k"])
+                                  "tma-stream-k2", "tma-wide-stream-k", "portable-split3-fixup",
+                                  "portable-tail-split3-fixup"])
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
     # 3 x 3 tiles of 16 x 32: the tail-split plans split 1 of them (the interpreter counts 4
     # SMs); 3 x 1 tiles of 16 x 128, whose partials go out in two column slices.
@@ -100,6 +108,70 @@ def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
         assert rel_error(first, reference(a, b, bias, "relu")) <= 2e-3
         for _ in range(3):
             assert torch.equal(_run(PLANS[plan], a, b, bias, "relu", torch.float32), first)
+
+
+@pytest.mark.parametrize("plan", ["portable-split3", "portable-tail-split3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, plan, dtype,
+                                                                        highest_fp32):
+    """The last split of each tile adds the partials in split order, as the reduction kernel
+    does: the same bits, one launch fewer, and the tile counters left at zero for the next
+    call (which reuses them)."""
+    reduced = PLANS[plan]
+    fixed = dataclasses.replace(reduced, split_fixup=True)
+    for m, n, k in ((40, 90, 200), (37, 45, 700), (1, 33, 96)):
+        a, b = randn((m, k), dtype, device), randn((k, n), dtype, device)
+        bias = randn((n,), dtype, device)
+        out = a.new_empty((m, n))
+        prepared = launcher.prepare_launch(a, b, bias, out, "gelu", False, fixed, None)
+        by_reduction = launcher.prepare_launch(a, b, bias, out, "gelu", False, reduced, None)
+        assert prepared.reduce is None and by_reduction.reduce is not None
+        assert prepared.counters_shape is not None
+        assert len(prepared.launches) == len(by_reduction.launches)
+        assert prepared.launches[-1][1]["SPLIT_FIXUP"] and prepared.launches[-1][1]["SPLIT_K"] > 1
+        want = _run(reduced, a, b, bias, "gelu")
+        assert rel_error(want, reference(a, b, bias, "gelu")) <= tolerance(dtype, dtype)
+        for _ in range(2):
+            assert torch.equal(_run(fixed, a, b, bias, "gelu"), want)
+            with tuning.force_plan(fixed):  # the public function, through the eager path
+                assert torch.equal(tg.mm(a, b, bias, "gelu"), want)
+        counters = launcher.split_counters(prepared.counters_shape[0], a.device, False)
+        assert not counters.any()
+
+
+_FIXUP_COMPILE_SCRIPT = """
+from hopper_compile import compile_for
+from torch_triton_gemm.kernels.matmul import mm_kernel
+
+pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+            "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True, ACTIVATION="gelu",
+                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=True,
+                 SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=True, SPLIT_K=4)
+compiled = compile_for(mm_kernel, pointers, constants, ["a_ptr", "b_ptr", "c_ptr"],
+                       num_warps=4, num_stages=4)
+lines = compiled.asm["ptx"].splitlines()
+counted = any("atom" in x and "acq_rel" in x and ".add" in x for x in lines)
+print(counted, any("bar.sync" in x for x in lines), any("mma" in x for x in lines))
+"""
+
+
+def test_splits_that_finish_their_tiles_compile_for_hopper():
+    """The counter's acquire-release atomic and the barriers around it, in the sm_90 build of
+    the portable kernel (compiled without a GPU)."""
+    from test_mm import _run_without_interpreter
+
+    assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True", "True", "True"]
+
+
+def test_split_counters_are_kept_per_stream_and_fresh_when_traced():
+    cpu = torch.device("cpu")
+    kept = launcher.split_counters(8, cpu, False)
+    assert launcher.split_counters(16, cpu, False) is kept and not kept.any()
+    assert launcher.split_counters(8, cpu, True) is not kept  # traced launches: their own
+    grown = launcher.split_counters(kept.numel() + 1, cpu, False)
+    assert grown is not kept and grown.numel() > kept.numel() and not grown.any()
 
 
 def test_k_zero_on_a_split_plan_gives_the_epilogue_of_bias(device):
@@ -225,6 +297,11 @@ def test_candidates_start_with_the_heuristic_and_respect_shared_memory(monkeypat
     limit = tuning._device.shared_memory_per_block(0)
     assert all(tuning.shared_memory_bytes(p.tile, 2) <= limit for p in plans)
     assert {p.kernel for p in plans} == {"tma", "portable"}
+    # Skinny products split K; on the portable kernel also with splits that finish their tiles.
+    skinny = list(tuning.candidate_plans(16, 4096, 4096, 2, True, 132))
+    fixups = [p for p in skinny if p.split_fixup]
+    assert fixups and all(p.kernel == "portable" and p.split_k > 1 for p in fixups)
+    assert {dataclasses.replace(p, split_fixup=False) for p in fixups} <= set(skinny)
 
 
 # --- GPU only -------------------------------------------------------------------------------------

@@ -197,10 +197,17 @@ def _plan_from_json(key: str, entry: Any) -> MMPlan:
     return plan
 
 
+# MMPlan fields added since the file format began: a file written before may lack them (the
+# plan then takes the field's default).
+_ADDED_FIELDS = frozenset({"split_fixup"})
+
+
 def _dataclass_from_json(cls: type, entry: Any, where: str) -> Any:
-    """``cls`` built from a JSON object with exactly its fields, each of its exact type."""
+    """``cls`` built from a JSON object with exactly its fields (those of ``_ADDED_FIELDS``
+    may be missing), each of its exact type."""
     hints = typing.get_type_hints(cls)
-    if not isinstance(entry, dict) or entry.keys() != hints.keys():
+    if not isinstance(entry, dict) or not (
+            hints.keys() - _ADDED_FIELDS <= entry.keys() <= hints.keys()):
         raise ValueError(f"{where}: {entry!r} does not have exactly the fields {sorted(hints)}")
     values = {}
     for name, value in entry.items():

@@ -58,6 +58,10 @@ class MMPlan:
     # (True), never (False: the portable kernel reads them), or by operand size (None; see
     # ops/mm.py's PAD_MIN_SIZE).
     pad: bool | None = None
+    # K splits of the portable kernel finish their tiles themselves (the last split of a tile
+    # adds the partials: one launch, no reduction kernel; see kernels/matmul.py); other
+    # kernels ignore it.
+    split_fixup: bool = False
 
 
 # Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
@@ -600,10 +604,11 @@ def tile_meta(tile: TileConfig) -> Mapping[str, Any]:
 @functools.cache
 def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
-                stream_k: bool = False) -> Mapping[str, Any]:
+                stream_k: bool = False, fixup_splits: int = 0) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
-    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM) and stream-K tiles or not; built
-    once, read-only."""
+    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not, and
+    (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
+    themselves; read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -613,7 +618,16 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
+    elif split and fixup_splits > 1:
+        meta["SPLIT_FIXUP"] = True
+        meta["SPLIT_K"] = fixup_splits
     return MappingProxyType(meta)
+
+
+def fixes_up_splits(plan: MMPlan, split_k: int) -> bool:
+    """Whether ``plan``'s K splits (``split_k`` of them, as launched) finish their tiles
+    themselves: the portable kernel's, when the plan asks."""
+    return plan.split_fixup and split_k > 1 and plan.kernel == "portable"
 
 
 # --- candidates for tuning ------------------------------------------------------------------------
@@ -648,9 +662,14 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                         tma_epilogue_bytes(tile, 2, subtile)) > smem:
                     continue
                 plan = MMPlan(kernel, tile, split, specialize, subtile, split_tail)
-                if plan not in seen:
-                    seen.add(plan)
-                    yield plan
+                # The portable kernel's splits also finishing their own tiles (no reduction
+                # launch).
+                twins = (plan, dataclasses.replace(plan, split_fixup=True)) if (
+                    kernel == "portable" and split > 1) else (plan,)
+                for candidate in twins:
+                    if candidate not in seen:
+                        seen.add(candidate)
+                        yield candidate
 
 
 # The space the planner's rules choose from (and the plan sweep times): tiles for 2-byte inputs.
@@ -713,6 +732,8 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         # (and not on 256-wide tiles, whose times there varied from run to run by 10-30%).
         plans = [MMPlan("portable", tile, **o) for o in options] if (
             not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
+        # The same splits finishing their tiles themselves (no reduction launch).
+        plans += [dataclasses.replace(p, split_fixup=True) for p in plans if p.split_k > 1]
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:

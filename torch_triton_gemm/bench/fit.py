@@ -46,12 +46,13 @@ class Timed:
 
 
 def read(paths: Sequence[str]) -> list[Timed]:
-    """The timed (error-free) plans of plan-sweep CSVs."""
+    """The timed (error-free) plans of plan-sweep CSVs; splits that finish their own tiles
+    (``split_fixup``) are left out: the model has no term for them yet."""
     rows = []
     for path in paths:
         with open(path, newline="") as file:
             for r in csv.DictReader(file):
-                if not r["us"]:
+                if not r["us"] or r.get("split_fixup") == "True":
                     continue
                 tile = tuning.TileConfig(*(int(r[f]) for f in (
                     "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))

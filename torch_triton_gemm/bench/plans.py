@@ -37,7 +37,8 @@ from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
 FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pad", "class",
           "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
-          "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "heuristic",
+          "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "split_fixup",
+          "heuristic",
           "us", "cublas_us", "ratio", "rel_err", "error")
 
 
@@ -205,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only shapes with at most N output columns")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
+    parser.add_argument("--fixup-ab", action="store_true",
+                        help="time the plan the planner picks and, where it splits K on the "
+                             "portable kernel, the same plan with splits that finish their "
+                             "tiles themselves (split_fixup)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
@@ -214,8 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [case for case in cases if case.n <= args.max_n]
     jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
             for case in cases]
-    if args.chosen_only:
+    if args.chosen_only or args.fixup_ab:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
+    if args.fixup_ab:
+        jobs = [(c, d, aligned, plans + [dataclasses.replace(plans[0], split_fixup=True)]
+                 if plans[0].kernel == "portable" and plans[0].split_k > 1 else plans)
+                for c, d, aligned, plans in jobs]
     if args.no_stream_k:
         jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
                 for c, d, aligned, plans in jobs]

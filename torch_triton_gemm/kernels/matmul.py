@@ -8,7 +8,11 @@ writing an fp32 partial tile into a workspace of [splits x split tiles, BLOCK_M,
 ``splitk_reduce_kernel`` adds the partials in a fixed order (the same bits every run) and
 applies the epilogue once. A tail split runs the tiles before ``first_tile`` (whole waves of
 SMs) in a launch without SPLIT first, and splits only the last, partial wave's tiles, which then
-spread over every SM instead of leaving most of them idle.
+spread over every SM instead of leaving most of them idle. With SPLIT_FIXUP (``mm_kernel``
+only) there is no reduction launch: each split, once its partial is stored, counts itself in the
+tile's counter, and the split that finds the others done adds the SPLIT_K partials in split
+order (the same bits whichever finishes last), applies the epilogue and zeroes the counter for
+the next launch. A small product then costs one launch instead of two.
 
 Stream-K (``mm_tma_kernel`` with STREAM_K) shares the K steps of the first ``sk_tiles`` tiles
 evenly among the persistent programs, each taking one contiguous range of (tile, K step) pairs,
@@ -90,6 +94,30 @@ def load_partial(ws_ptr, slot, offs_m, offs_n, M, N, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def finish_split_tile(ws_ptr, counts_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m, offs_n,
+                      M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS: tl.constexpr,
+                      ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+    """After K split ``unit`` stored its partial (store_partial): count it in its tile's
+    counter (a release, after every thread's stores); the split that brings the count to
+    SPLIT_K adds the tile's partials in split order, zeroes the counter (the next launch finds
+    it so) and runs the epilogue once. No split waits for another."""
+    split_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N) - first_tile
+    index = unit % split_tiles
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counts_ptr + index, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        tl.debug_barrier()
+        acc = load_partial(ws_ptr, index, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+        for split in tl.static_range(1, SPLIT_K):
+            acc += load_partial(ws_ptr, split * split_tiles + index, offs_m, offs_n, M, N,
+                                BLOCK_M, BLOCK_N, INDEX_64)
+        tl.atomic_xchg(counts_ptr + index, 0, sem="relaxed", scope="gpu")
+        store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
+                       stride_bias, HAS_BIAS, ACTIVATION)
+
+
+@triton.jit
 def stream_k_owner(iteration, iterations, programs):
     """The program whose stream-K range holds ``iteration`` of ``iterations`` (program p takes
     [p * iterations // programs, (p + 1) * iterations // programs))."""
@@ -138,6 +166,7 @@ def mm_kernel(
     SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_FIXUP: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -145,8 +174,10 @@ def mm_kernel(
     # an fp32 accumulator; the epilogue adds bias, applies the activation and casts to C's
     # dtype (a split stores its fp32 partial instead). Rows and columns past M / N are read
     # wrapped (modulo) so the loads need no masks, and only the stores are masked. M is not
-    # specialised on: a serving loop's every batch size reuses one compiled kernel. (locks_ptr
-    # and sk_tiles serve the TMA kernel's stream-K, which this kernel does not run.)
+    # specialised on: a serving loop's every batch size reuses one compiled kernel. SPLIT_FIXUP:
+    # the last of a tile's SPLIT_K splits to finish adds the partials and runs the epilogue
+    # (finish_split_tile), counting in locks_ptr. (sk_tiles serves the TMA kernel's stream-K,
+    # which this kernel does not run.)
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
                                      SPLIT)
@@ -166,6 +197,10 @@ def mm_kernel(
     acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
     if SPLIT:
         store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+        if SPLIT_FIXUP:
+            finish_split_tile(ws_ptr, locks_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m,
+                              offs_n, M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS,
+                              ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64)
     else:
         store_epilogue(
             acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,

@@ -206,7 +206,7 @@ def prepared_variants(prepared: PreparedLaunch, a: Any, b: Any, bias: Any, out: 
     workspace = locks = None
     if prepared.workspace_shape is not None:
         workspace = OperandSpec.row_major(1, 1, torch.float32, a.device)
-    if prepared.locks_shape is not None:
+    if prepared.locks_shape is not None or prepared.counters_shape is not None:
         locks = OperandSpec.row_major(1, 1, torch.int32, a.device)
     found = [Variant(prepared.kernel, grid,
                      (a, b, out, bias, workspace, locks, None, None, *runtime_args), meta, device)

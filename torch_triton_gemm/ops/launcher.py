@@ -57,6 +57,9 @@ class PreparedLaunch(NamedTuple):
     pads: tuple[Pad | None, Pad | None] | None = None  # operands to copy first (TMA rules)
     locks_shape: tuple[int] | None = None  # stream-K's flags, zeroed per launch
     plan: tuning.MMPlan | None = None  # the plan as launched (for benchmarks and tests)
+    # The split tiles' counters of K splits that finish their tiles themselves (see
+    # split_counters), passed where stream-K's flags go.
+    counters_shape: tuple[int] | None = None
     # Compiled kernels per device, one cache per launch, then the reduction's (see
     # _launch_compiled), then run_kept's direct launches; for prepared launches that are kept
     # and reused (memoised eager calls), else empty.
@@ -125,6 +128,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         sk_tiles = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
     whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, num_sms(device))
     split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
+    fixup = type(split_k) is int and tuning.fixes_up_splits(plan, split_k)
     index_64 = needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                      (M, N, stride_cm, stride_cn),
                                      (max(split_units, programs) * tile.block_m, tile.block_n,
@@ -151,7 +155,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             first_tile, units, sk_tiles, bias is not None, activation, input_precision(a.dtype),
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
-        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0)
+        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
+                                  split_k if fixup else 0)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
         grid = ((programs if sk_tiles else min(programs, units)),) if (
             kernel is mm_tma_kernel) else (units,)
@@ -165,6 +170,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     reduce = None
     if split_k > 1:
         launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
+    if split_k > 1 and not fixup:
         block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
                                                          tile.block_n, num_sms(device))
         blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
@@ -176,14 +182,17 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
              "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
              "num_warps": num_warps},
         )
-    workspace = locks = None
+    workspace = locks = counters = None
     if split_k > 1:
         workspace = (split_units, tile.block_m, tile.block_n)
+        if fixup:
+            counters = (tiles - whole_tiles,)
     elif sk_tiles:
         # A partial tile per program at most, and the program's flag.
         workspace, locks = (programs, tile.block_m, tile.block_n), (programs,)
     return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
-                          None if pads == (None, None) else pads, locks_shape=locks, plan=plan)
+                          None if pads == (None, None) else pads, locks_shape=locks, plan=plan,
+                          counters_shape=counters)
 
 
 def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -234,6 +243,8 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     locks = None
     if prepared.locks_shape is not None:
         locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
+    elif prepared.counters_shape is not None:
+        locks = split_counters(prepared.counters_shape[0], a.device, traceable)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 2)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         launch_kernel(prepared.kernel, grid,
@@ -244,6 +255,29 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
         grid, runtime_args, meta = prepared.reduce
         launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
                       traceable, caches[-2])
+
+
+# Zeroed counters of K splits that finish their tiles themselves, per (device, stream): each
+# launch leaves its counters at zero again, so they serve every later launch on that stream
+# (launches on one stream run one after another; other streams have their own).
+_SPLIT_COUNTERS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def split_counters(count: int, device: torch.device, traceable: bool) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters for a launch on ``device``'s current stream
+    that leaves them zeroed: kept per stream, except for launches that tracing records or a
+    CUDA graph captures, which get fresh ones (the zeroing then belongs to the graph)."""
+    if traceable or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.zeros(count, device=device, dtype=torch.int32)
+    stream = None
+    if device.type == "cuda":
+        stream = _current_stream(_current_device() if device.index is None else device.index)
+    key = (device.type, device.index, stream)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), device=device, dtype=torch.int32)
+        _SPLIT_COUNTERS[key] = counters
+    return counters
 
 
 def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -416,6 +450,8 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
         workspace = torch.empty(workspace_shape, device=a.device, dtype=torch.float32)
     if locks_shape is not None:
         locks = torch.zeros(locks_shape, device=a.device, dtype=torch.int32)
+    elif prepared.counters_shape is not None:
+        locks = split_counters(prepared.counters_shape[0], a.device, False)
     stream = _current_stream(device)
     tensors = (a, b, out, bias, workspace, locks, scale_a, scale_b)
     if tma:
