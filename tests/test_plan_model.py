@@ -135,3 +135,23 @@ def test_the_plan_space_offers_splits_that_finish_their_tiles_which_the_model_le
     assert {dataclasses.replace(p, split_fixup=False) for p in fixups} <= set(space)
     chosen = plan_model.modelled_plan(64, 64, 4096, 2, 2, True, 132, True, False)
     assert chosen is not None and not chosen.split_fixup
+
+
+def test_splits_that_finish_their_tiles_are_costed_once_fitted(h100, monkeypatch):
+    """A split plan finishing its own tiles costs no reduction launch but its fitted fixed cost
+    and the partials its finishing programs read back; the model offers such plans only where
+    the constants hold that cost (a fit on timings of them)."""
+    reduced = tuning.MMPlan("portable", tuning.TileConfig(64, 64, 128, 4, 4, 4), split_k=8)
+    fixed = dataclasses.replace(reduced, split_fixup=True)
+    m, n, k = 64, 128, 8192  # 2 tiles of 64 x 64, 8 splits of 1024
+    work = plan_model.plan_work(fixed, m, n, k, 132)
+    assert not work.reduce and work.fixup_bytes == 7 * 64 * 64 * 4
+    costs = dataclasses.replace(plan_model.H100_COSTS, launch_us={
+        **plan_model.H100_COSTS.launch_us, "fixup": 0.2, "fixup_per_kib": 0.001})
+    gap = (plan_model.predict_us(costs, reduced, m, n, k, 2, 2)
+           - plan_model.predict_us(costs, fixed, m, n, k, 2, 2))
+    expected = costs.launch_us["reduce"] - 0.2 - 0.001 * 7 * 16
+    assert gap == pytest.approx(expected)
+    assert not plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False).split_fixup
+    monkeypatch.setattr(plan_model, "H100_COSTS", costs)
+    assert plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False).split_fixup

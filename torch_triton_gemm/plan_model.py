@@ -51,7 +51,10 @@ class TileCost:
 class Costs:
     """The fitted constants of the model (microseconds unless named otherwise)."""
 
-    launch_us: Mapping[str, float]  # of the split-K reduction ("reduce") and the copies ("copy")
+    # Of the split-K reduction ("reduce"), the copies ("copy") and, once fitted, of splits
+    # finishing their own tiles: a fixed cost ("fixup") and one per KiB of partials the
+    # finishing program reads back ("fixup_per_kib").
+    launch_us: Mapping[str, float]
     exchange_us: float  # a stream-K partial handed over and added
     tiles: Mapping[tuple[str, int, int, int, int], TileCost]  # (kernel, bm, bn, warps, stages)
     machine: Machine
@@ -98,6 +101,9 @@ class Work:
     busy: int
     reduce: bool
     extra_bytes: float
+    # Splits that finish their own tiles: partial bytes the busiest program reads back, one
+    # after another, to finish its tiles (0: none, or a reduction launch instead).
+    fixup_bytes: float = 0.0
 
 
 def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work:
@@ -126,7 +132,13 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
     rounds = whole // num_sms + -(-units // num_sms)
     steps = whole // num_sms * k_steps + -(-units // num_sms) * split_steps
     partial_bytes = 2.0 * units * tile.block_m * tile.block_n * 4
-    return Work(steps, rounds, 0.0, min(max(units, whole), num_sms), True, partial_bytes)
+    busy = min(max(units, whole), num_sms)
+    if tuning.fixes_up_splits(plan, split):
+        # The last split of each tile reads the others' partials back: the split tiles are
+        # finished by as many programs, in rounds of num_sms.
+        finishing = -(-(tiles - whole) // num_sms) * (split - 1) * tile.block_m * tile.block_n * 4
+        return Work(steps, rounds, 0.0, busy, False, partial_bytes, float(finishing))
+    return Work(steps, rounds, 0.0, busy, True, partial_bytes)
 
 
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
@@ -146,6 +158,11 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     time = cost.launch_us + max(compute, bytes_moved / bandwidth)
     if work.reduce:
         time += costs.launch_us["reduce"]
+    if work.fixup_bytes:
+        # The counter's round trip and the finishing programs' reads of the partials (from L2,
+        # all of a tile's at once: a rate of their own).
+        time += (costs.launch_us["fixup"]
+                 + work.fixup_bytes / 1024 * costs.launch_us["fixup_per_kib"])
     if plan.kernel == "tma" and not aligned:
         # Copying the operands: read and write each once, in a kernel of its own.
         time += costs.launch_us["copy"] + 2 * operand_bytes / machine.bytes_per_us
@@ -172,8 +189,8 @@ def with_machine(costs: Costs, num_sms: int) -> Costs:
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
                   num_sms: int, aligned: bool, narrow: bool,
                   a_m_contiguous: bool = False) -> tuning.MMPlan | None:
-    """The plan of the plan space (stream-K and self-finishing splits left out) with the least
-    time the plan model
+    """The plan of the plan space (stream-K left out, and splits that finish their own tiles
+    until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
     SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
@@ -181,9 +198,11 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     columns are contiguous. None where no plan of the space fits the GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms)
-    # (Splits that finish their own tiles are not costed yet: the fitted constants predate them.)
+    # Splits that finish their own tiles once the constants cost them (a fit on timings of
+    # such plans).
+    fixups = "fixup" in costs.launch_us
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
-             if not p.stream_k and not p.split_fixup]
+             if not p.stream_k and (fixups or not p.split_fixup)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
     return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from .. import plan_model, tuning
 
-GLOBALS = ("launch_reduce", "launch_copy", "exchange_us", "bytes_per_us", "sm_bytes_per_us")
+GLOBALS = ("launch_reduce", "launch_copy", "exchange_us", "bytes_per_us", "sm_bytes_per_us",
+           "launch_fixup", "fixup_per_kib")
 PER_TILE = ("launch_us", "step_us", "tile_us")
 
 
@@ -46,20 +47,20 @@ class Timed:
 
 
 def read(paths: Sequence[str]) -> list[Timed]:
-    """The timed (error-free) plans of plan-sweep CSVs; splits that finish their own tiles
-    (``split_fixup``) are left out: the model has no term for them yet."""
+    """The timed (error-free) plans of plan-sweep CSVs."""
     rows = []
     for path in paths:
         with open(path, newline="") as file:
             for r in csv.DictReader(file):
-                if not r["us"] or r.get("split_fixup") == "True":
+                if not r["us"]:
                     continue
                 tile = tuning.TileConfig(*(int(r[f]) for f in (
                     "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))
                 pad = {"True": True, "False": False}.get(r["pad"])
                 plan = tuning.MMPlan(r["kernel"], tile, int(r["split_k"]), False,
                                      int(r["epilogue_subtile"]), r["split_tail"] == "True",
-                                     1, int(r["stream_k"]), pad)
+                                     1, int(r["stream_k"]), pad,
+                                     r.get("split_fixup") == "True")
                 shape = (path, r["suite"], r["name"], r["M"], r["N"], r["K"], r["a_layout"],
                          r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
                 rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
@@ -90,17 +91,20 @@ def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
 
 
 def costs_from(vector: Sequence[float], keys: Sequence[tuple[str, int, int, int, int]],
-               num_sms: int) -> plan_model.Costs:
+               num_sms: int, fixups: bool = True) -> plan_model.Costs:
     """Costs from a parameter vector (logs of the constants: the globals, then three per
-    tile)."""
+    tile); ``fixups``: whether the timings held splits that finish their own tiles (else their
+    constant, which nothing fitted, is left out and the model does not pick such plans)."""
     values = [math.exp(v) for v in vector]
     g = dict(zip(GLOBALS, values))
     per = len(PER_TILE)
     tiles = {key: plan_model.TileCost(*values[len(GLOBALS) + per * i:len(GLOBALS) + per * (i + 1)])
              for i, key in enumerate(keys)}
-    return plan_model.Costs(
-        {"reduce": g["launch_reduce"], "copy": g["launch_copy"]}, g["exchange_us"], tiles,
-        plan_model.Machine(num_sms, g["bytes_per_us"], g["sm_bytes_per_us"]))
+    launch = {"reduce": g["launch_reduce"], "copy": g["launch_copy"]}
+    if fixups:
+        launch["fixup"], launch["fixup_per_kib"] = g["launch_fixup"], g["fixup_per_kib"]
+    return plan_model.Costs(launch, g["exchange_us"], tiles,
+                            plan_model.Machine(num_sms, g["bytes_per_us"], g["sm_bytes_per_us"]))
 
 
 def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
@@ -123,6 +127,8 @@ def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
     moved = operand + np.array([r.m * r.n * r.element_size + w.extra_bytes
                                 for r, w in zip(rows, works)])
     copied = np.array([r.plan.kernel == "tma" and not r.aligned for r in rows], dtype=float)
+    fixup_bytes = np.array([w.fixup_bytes for w in works])
+    fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
     n_globals = len(GLOBALS)
 
@@ -133,13 +139,14 @@ def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
         compute = steps * step + tiles * per + exchanges * g[2]
         bandwidth = np.minimum(g[3], busy * g[4])
         time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
+        time += fixup * g[5] + fixup_bytes / 1024 * g[6]
         return time + copied * (g[1] + 2 * operand / g[3])
 
-    start = [math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4)]
+    start = [math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
     start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys)
     result = least_squares(lambda v: np.log(predict(v)) - measured, start, loss="soft_l1",
                            f_scale=0.1, max_nfev=2000)
-    return costs_from(result.x, keys, num_sms)
+    return costs_from(result.x, keys, num_sms, bool(fixup.any()))
 
 
 def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
@@ -150,8 +157,10 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
     picked, oracle, heuristic, worst = [], [], [], []
     for timed in shapes.values():
         first = timed[0]
-        # The planner leaves stream-K out (see tuning.plan_space's ``stream_k``).
-        eligible = [r for r in timed if not r.plan.stream_k] or timed
+        # The planner leaves stream-K out (see tuning.plan_space's ``stream_k``), and splits
+        # that finish their own tiles where the constants do not cost them.
+        eligible = [r for r in timed if not r.plan.stream_k and (
+            "fixup" in costs.launch_us or not r.plan.split_fixup)] or timed
         choice = min(eligible, key=lambda r: plan_model.predict_us(
             costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned, r.narrow,
             r.a_m_contiguous))
