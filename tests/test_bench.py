@@ -20,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from samples import rel_error
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torch_triton_gemm.bench import (
@@ -1158,3 +1159,58 @@ def test_moe_inputs_peer_and_reference_agree(form):
     fp32 = [t.detach().float() if t.is_floating_point() else t for t in (x, w13, w2, ids, weights)]
     ref = moe.reference_moe(*fp32)
     assert torch.allclose(moe.unfused_moe(*fp32), ref, rtol=1e-4, atol=1e-5)
+
+
+# --- the plan sweep -------------------------------------------------------------------------------
+
+def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatch):
+    from torch_triton_gemm import device as tgemm_device
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 232448)
+    scaled_cases = [c for c in plans._cases(["scaled"], 1, 10) if isinstance(c, ScaledCase)]
+    assert len(scaled_cases) == len(suites.scaled_cases())
+
+    def precise(case: ScaledCase, tma: bool = True) -> list[tuning.MMPlan]:
+        return [p for p in plans.space_of(case, 1, tma, 132, True)
+                if p.kernel == tuning.FP8_PRECISE_KERNEL]
+
+    blockwise = ScaledCase("8192^3", 8192, 8192, 8192, "blockwise")
+    assert precise(blockwise) == tuning.fp8_precise_plans(2) and len(precise(blockwise)) > 6
+    # The default plan of that kernel is among them.
+    assert tuning.fp8_precise_plan(8192, 8192, 132, 2) in precise(blockwise)
+    assert precise(ScaledCase("x", 16, 4096, 4096, "rowwise")) != []
+    # Fast accumulation (tensorwise, rowwise) and GPUs without TMA: the plan space only.
+    assert precise(ScaledCase("x", 16, 4096, 4096, "tensorwise", fast=True)) == []
+    assert precise(blockwise, tma=False) == []
+    # fp8 tiles: the plan space's, K steps twice as deep as for 16-bit operands.
+    space = plans.space_of(blockwise, 1, True, 132, True)
+    assert any(p.kernel == "tma" for p in space)
+    assert "recipe" in plans.FIELDS and "accum" in plans.FIELDS and "split_fixup" in plans.FIELDS
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
+    """What the plan sweep times: a plan launched into the problem's output and into a fresh
+    one from rotated operand copies, against the reference; and the planner's own plan."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    dtype = "bf16" if device == "cuda" else "fp16"  # the interpreter's tl.dot: not bf16
+    mm = plans.problem(Case("mm", "x", 40, 72, 96, "row", "col"), dtype, device)
+    scaled_case = ScaledCase("x", 40, 256, 256, recipe)
+    fp8 = plans.problem(scaled_case, dtype, device)
+    assert fp8.reference is not None and fp8.scales is not None and mm.scales is None
+    tile = tuning.TileConfig(16, 32, 128, 1, 4, 2)
+    for p, ref, budget in ((mm, mm.args[0].double() @ mm.args[1].double(), 1e-2),
+                           (fp8, fp8.reference, 2e-2)):
+        for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan("portable", tile, split_k=2),
+                     p.chosen()):
+            p.out.fill_(float("nan"))
+            p.launch(plan)
+            assert rel_error(p.out, ref) <= budget, plan
+            copies = [t.clone() for t in p.args]
+            fresh = torch.empty_like(p.out)
+            p.launch(plan, *copies, out=fresh)
+            assert torch.equal(fresh, p.out)

@@ -246,17 +246,31 @@ def _fp8_precise_tile(rows: int, out_size: int) -> TileConfig:
     192-row tiles pad the rows by 8% more than 128-row ones, and 4 stages where the shared
     memory holds them (operand slots and a C tile per consumer), else fewer."""
     consumers = 3 if -(-rows // 192) * 192 <= 1.08 * (-(-rows // 128) * 128) else 2
-    block_n, block_k = 128, 128
-
-    def shared(stages: int) -> int:
-        return (stages * (consumers * 64 + block_n) * block_k
-                + consumers * 64 * block_n * out_size)
-
     stages = 4
-    while stages > 2 and shared(stages) > _device.shared_memory_per_block(0):
+    while stages > 2 and _fp8_precise_shared(consumers, stages, out_size) > (
+            _device.shared_memory_per_block(0)):
         stages -= 1
+    return _fp8_precise_tile_of(consumers, stages, 8)
+
+
+def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
+    """Shared memory of the precise fp8 kernel: ``stages`` slots of A (64 rows per consumer)
+    and B (128 columns) 128 fp8 values deep, and a C tile per consumer."""
+    return stages * (consumers * 64 + 128) * 128 + consumers * 64 * 128 * out_size
+
+
+def _fp8_precise_tile_of(consumers: int, stages: int, group_m: int) -> TileConfig:
     # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.
-    return TileConfig(64 * consumers, block_n, block_k // 2, 8, 4, stages)
+    return TileConfig(64 * consumers, 128, 64, group_m, 4, stages)
+
+
+def fp8_precise_plans(out_size: int) -> list[MMPlan]:
+    """Every plan of the precise fp8 kernel whose shared memory fits the GPU (2 or 3
+    consumers, 3 to 5 stages, L2 bands of 4 to 16 tile rows): what the plan sweep times."""
+    limit = _device.shared_memory_per_block(0)
+    return [MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_tile_of(consumers, stages, group_m))
+            for consumers in (2, 3) for stages in (3, 4, 5) for group_m in (4, 8, 16)
+            if _fp8_precise_shared(consumers, stages, out_size) <= limit]
 
 
 def fp8_grouped_precise_tile(m: int, n: int, groups: int, num_sms: int,

@@ -3,6 +3,13 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
 
     python -m torch_triton_gemm.bench.plans --suites sweep,classes --seed 1 --count 300 \\
         --csv plans.csv
+    python -m torch_triton_gemm.bench.plans --suites scaled --recipes blockwise --ms 8192 \\
+        --csv fp8-plans.csv
+
+The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
+accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
+fp8 kernel (``tuning.fp8_precise_plans``), next to ``torch._scaled_mm`` with the same recipe and
+``use_fast_accum`` (the ``cublas_us`` column), checked against the dequantized fp32 product.
 
 One CSV row per (shape, dtype, plan): the plan's fields, its kernel-only time (CUDA-graph
 replays over rotating operands, as the benchmark times), cuBLAS's in the same run, the
@@ -24,6 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
+from typing import Any
 
 import torch
 
@@ -31,31 +39,90 @@ from .. import device as _device
 from .. import tuning
 from . import suites
 from .gemm import DTYPES, make_operands
-from .suites import Case
+from .suites import Case, ScaledCase
 from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
 
 FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pad", "class",
-          "dtype", "aligned",
+          "recipe", "accum", "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
           "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "split_fixup",
           "heuristic",
           "us", "cublas_us", "ratio", "rel_err", "error")
 
 
-def _cases(names: Sequence[str], seed: int, count: int) -> list[Case]:
-    cases: list[Case] = []
+AnyCase = Case | ScaledCase
+
+
+def _cases(names: Sequence[str], seed: int, count: int) -> list[AnyCase]:
+    cases: list[AnyCase] = []
     for name in names:
         if name == "sweep":
             cases += suites.sweep_cases(seed, count)
+        elif name == "scaled":
+            cases += suites.scaled_cases()
         else:
             cases += suites.suite_cases(name)
     return cases
 
 
-def _operands(case: Case, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    a, b = make_operands(case, DTYPES[dtype], torch.device("cuda"))
-    out = torch.empty((case.m, case.n), device="cuda", dtype=a.dtype)
-    return a, b, out
+@dataclasses.dataclass
+class Problem:
+    """One case's operands on the GPU: what its launches and its peer take (``args``), the
+    output plans write into, and for fp8 products the recipe's scales and the reference."""
+
+    case: AnyCase
+    args: tuple[torch.Tensor, ...]
+    out: torch.Tensor
+    scales: Any = None  # launcher.GemmScales of an fp8 product
+    recipe: Any = None  # its scaled_mm recipe
+    reference: torch.Tensor | None = None  # fp8: the dequantized operands' fp32 product
+
+    def launch(self, plan: tuning.MMPlan, *args: torch.Tensor,
+               out: torch.Tensor | None = None) -> None:
+        """Launch ``plan`` on ``args`` (this problem's by default) into ``out``."""
+        from ..ops.launcher import launch_mm
+
+        a, b, *scales = args or self.args
+        out = self.out if out is None else out
+        if self.scales is None:
+            launch_mm(a, b, None, out, "none", traceable=False, plan=plan)
+            return
+        launch_mm(a, b, None, out, "none", False, plan,
+                  self.scales._replace(scale_a=scales[0], scale_b=scales[1]))
+
+    def peer(self, *args: torch.Tensor) -> torch.Tensor:
+        """cuBLAS on the same operands: torch.mm, or torch._scaled_mm with the same recipe
+        and accumulation."""
+        if self.scales is None:
+            return torch.mm(*args)
+        return torch._scaled_mm(*args, out_dtype=self.out.dtype,
+                                use_fast_accum=self.scales.fast_accum)
+
+    def chosen(self) -> tuning.MMPlan:
+        """The plan tgemm launches for these operands (as this revision's planner picks it)."""
+        from ..ops.launcher import prepare_launch
+        from ..ops.planner import plan_mm
+
+        a, b = self.args[:2]
+        plan = plan_mm(a, b, None, self.out, "none", False, self.scales)
+        return prepare_launch(a, b, None, self.out, "none", False, plan, self.scales).plan
+
+
+def problem(case: AnyCase, dtype: str, device: torch.device | str = "cuda") -> Problem:
+    """Fresh operands for ``case`` (``dtype`` for mm cases; fp8 cases are quantized with their
+    recipe), on ``device``."""
+    device = torch.device(device)
+    if isinstance(case, ScaledCase):
+        from ..ops import scaled_mm as scaled_op
+        from .scaled import OUT_DTYPE, make_inputs
+
+        args, reference = make_inputs(case, device)
+        out = torch.empty((case.m, case.n), device=device, dtype=OUT_DTYPE)
+        _, recipe = scaled_op._check_inputs(*args, None, OUT_DTYPE)
+        scales = scaled_op._gemm_scales(recipe, args[2], args[3], case.fast)
+        return Problem(case, args, out, scales, recipe, reference)
+    a, b = make_operands(case, DTYPES[dtype], device)
+    return Problem(case, (a, b), torch.empty((case.m, case.n), device=device, dtype=a.dtype))
 
 
 def _aligned(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
@@ -66,57 +133,59 @@ def _aligned(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
 
 def chosen_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.MMPlan:
     """The plan tgemm.mm launches for these operands (as this revision's planner picks it)."""
-    from ..ops.launcher import prepare_launch
-    from ..ops.planner import plan_mm
-
-    plan = plan_mm(a, b, None, out, "none", False)
-    return prepare_launch(a, b, None, out, "none", False, plan, None).plan
+    return Problem(None, (a, b), out).chosen()
 
 
-def _chosen_of(case: Case, dtype: str) -> tuning.MMPlan:
-    return chosen_plan(*_operands(case, dtype))
+def _chosen_of(case: AnyCase, dtype: str) -> tuning.MMPlan:
+    return problem(case, dtype).chosen()
 
 
-def case_plans(case: Case, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
-    """Whether the case's operands can be described for TMA as they are, and its plans: the
-    plan space's and, last, the planner's choice when it is not among them."""
-    a, b, out = _operands(case, dtype)
-    aligned = _aligned(a, b, out)
-    plans = list(tuning.plan_space(case.m, case.n, case.k, a.element_size(),
-                                   _device.supports_tma(a.device), _device.num_sms(a.device),
+def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned: bool,
+             out_size: int = 2) -> list[tuning.MMPlan]:
+    """The plans timed for ``case``: the plan space, and for an fp8 product whose recipe
+    Hopper's precise fp8 kernel runs (tensorwise or rowwise without fast accumulation,
+    blockwise) on a GPU with TMA, every plan of that kernel."""
+    plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
                                    aligned))
-    chosen = chosen_plan(a, b, out)
+    if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
+        plans += tuning.fp8_precise_plans(out_size)
+    return plans
+
+
+def case_plans(case: AnyCase, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
+    """Whether the case's operands can be described for TMA as they are, and its plans
+    (``space_of``) and, last, the planner's choice when it is not among them."""
+    p = problem(case, dtype)
+    a, b = p.args[:2]
+    aligned = _aligned(a, b, p.out)
+    plans = space_of(case, a.element_size(), _device.supports_tma(a.device),
+                     _device.num_sms(a.device), aligned, p.out.element_size())
+    chosen = p.chosen()
     if chosen not in plans:
         plans.append(chosen)
     return aligned, plans
 
 
-def _launch(plan: tuning.MMPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    from ..ops.launcher import launch_mm
-
-    launch_mm(a, b, None, out, "none", traceable=False, plan=plan)
-
-
-def _compile_jobs(jobs: list[tuple[Case, str, list[tuning.MMPlan]]],
+def _compile_jobs(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]],
                   deadline: float = math.inf) -> int:
     """Launch each plan once (a worker process's share), so that Triton compiles and caches
     its kernels, until ``deadline`` (time.time()); returns how many failed."""
     failed = 0
     for case, dtype, plans in jobs:
-        a, b, out = _operands(case, dtype)
+        p = problem(case, dtype)
         for plan in plans:
             if time.time() > deadline:
                 return failed
             try:
-                _launch(plan, a, b, out)
+                p.launch(plan)
             except Exception:  # noqa: BLE001 - timed (and reported) again by the main process
                 failed += 1
         torch.cuda.synchronize()
-        del a, b, out
+        del p
     return failed
 
 
-def compile_all(jobs: list[tuple[Case, str, list[tuning.MMPlan]]], workers: int,
+def compile_all(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]], workers: int,
                 budget_s: float) -> None:
     """Compile every plan's kernels in ``workers`` processes (round-robin shares), for at most
     ``budget_s`` seconds (what is left compiles when it is first timed)."""
@@ -151,24 +220,27 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def time_case(case: Case, dtype: str, plans: list[tuning.MMPlan], aligned: bool,
+def time_case(case: AnyCase, dtype: str, plans: list[tuning.MMPlan], aligned: bool,
               rep_ms: float) -> Iterator[dict[str, object]]:
     """The rows of one case: cuBLAS, then every plan (poisoned output, error, time)."""
-    a, b, out = _operands(case, dtype)
-    ref = torch.mm(a, b).float()
-    cublas = kernel_us(torch.mm, (a, b), rep_ms)
-    chosen = chosen_plan(a, b, out)
-    base = {**case.record(), "suite": case.suite, "name": case.name, "dtype": dtype,
+    p = problem(case, dtype)
+    out = p.out
+    ref = p.reference if p.reference is not None else p.peer(*p.args).float()
+    cublas = kernel_us(p.peer, p.args, rep_ms)
+    chosen = p.chosen()
+    base = {**case.record(), "suite": case.suite, "name": case.name,
+            "dtype": "fp8" if p.scales is not None else dtype,
             "aligned": aligned, "cublas_us": round(cublas, 3)}
     # Stream-K plans last: a plan's timing should not follow spin-waiting kernels.
-    for plan in sorted(plans, key=lambda p: p.stream_k > 0):
+    for plan in sorted(plans, key=lambda candidate: candidate.stream_k > 0):
         row = {**base, **_plan_fields(plan), "heuristic": plan == chosen}
         try:
             out.fill_(math.nan)
-            _launch(plan, a, b, out)
+            p.launch(plan)
             row["rel_err"] = f"{_relative_error(out, ref):.2e}"
-            us = kernel_us(lambda x, y, p=plan: _launch(p, x, y, torch.empty_like(out)),
-                           (a, b), rep_ms)
+            us = kernel_us(lambda *args, plan=plan: p.launch(plan, *args,
+                                                               out=torch.empty_like(out)),
+                           p.args, rep_ms)
             row["us"] = round(us, 3)
             row["ratio"] = round(cublas / us, 4)
         except Exception as exc:  # noqa: BLE001 - a plan that cannot run is a row saying so
@@ -189,7 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--suites", default="sweep,classes",
-                        help="comma-separated: sweep and mm suite names")
+                        help="comma-separated: sweep, mm suite names, scaled")
+    parser.add_argument("--recipes", default=None,
+                        help="scaled: only these recipes (comma-separated)")
+    parser.add_argument("--ms", default=None,
+                        help="only cases with these M (comma-separated)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--dtypes", default="bf16")
@@ -217,8 +293,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
-    jobs = [(case, dtype, *case_plans(case, dtype)) for dtype in args.dtypes.split(",")
-            for case in cases]
+    if args.recipes is not None:
+        recipes = set(args.recipes.split(","))
+        cases = [c for c in cases if not isinstance(c, ScaledCase) or c.recipe in recipes]
+    if args.ms is not None:
+        ms = {int(m) for m in args.ms.split(",")}
+        cases = [case for case in cases if case.m in ms]
+    # fp8 products take their dtype from their recipe: once, whatever --dtypes says.
+    dtypes = args.dtypes.split(",")
+    jobs = [(case, dtype, *case_plans(case, dtype)) for case in cases
+            for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)]
     if args.chosen_only or args.fixup_ab:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
