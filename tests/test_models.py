@@ -223,8 +223,10 @@ TOLERANCE = {
 }
 
 
-def assert_close_results(got: Results, expected: Results, dtype: torch.dtype) -> None:
-    tol = TOLERANCE[dtype]
+def assert_close_results(got: Results, expected: Results, dtype: torch.dtype,
+                         scale: float = 1.0) -> None:
+    """Loss, logits and every gradient within the dtype's tolerance (times ``scale``)."""
+    tol = Tolerance(*(scale * t for t in TOLERANCE[dtype]))
     errors = {"loss": rel_error(got.loss, expected.loss),
               "logits": rel_error(got.logits, expected.logits)}
     for name, error in errors.items():

@@ -520,9 +520,17 @@ def _assert_mlp(results: list[dict[str, Any]]) -> None:
 def _assert_llama(results: list[dict[str, Any]]) -> None:
     for rank in results:
         llama, runs = rank["llama"], rank["llama"]["runs"]
-        size, one_device = Size(**llama["size"]), Results(*runs["one device"]["results"])
-        for name in ("tensor parallel", "override", "override aten"):
-            assert_close_results(Results(*runs[name]["results"]), one_device, llama["dtype"])
+        size, dtype = Size(**llama["size"]), llama["dtype"]
+        one_device = Results(*runs["one device"]["results"])
+        sharded = Results(*runs["tensor parallel"]["results"])
+        # Against the same sharding on aten (only the GEMMs differ): the dtype's tolerance.
+        # Against one device: twice that in bf16, where the row-parallel layers round each
+        # rank's partial sum before the all-reduce adds them.
+        for name in ("override", "override aten"):
+            got = Results(*runs[name]["results"])
+            assert_close_results(got, sharded, dtype)
+            assert_close_results(got, one_device, dtype, 1.0 if dtype == torch.float32 else 2.0)
+        assert_close_results(sharded, one_device, dtype, 1.0 if dtype == torch.float32 else 2.0)
         # Python level: each layer's 7 projections and lm_head, all through F.linear without
         # bias; nothing left to PyTorch.
         counts = runs["override"]["counts"]
