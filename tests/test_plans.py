@@ -165,6 +165,18 @@ def test_splits_that_finish_their_tiles_compile_for_hopper():
     assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True", "True", "True"]
 
 
+def test_splits_past_the_fixup_limit_keep_the_reduction(device):
+    many = tuning.FIXUP_MAX_SPLITS + 4
+    plan = tuning.MMPlan("portable", SMALL_TILE, split_k=many, split_fixup=True)
+    a, b = randn((20, 4 * many * 32), torch.float16, device), randn((4 * many * 32, 24),
+                                                                   torch.float16, device)
+    out = a.new_empty((20, 24))
+    prepared = launcher.prepare_launch(a, b, None, out, "none", False, plan, None)
+    assert prepared.reduce is not None and prepared.counters_shape is None
+    assert "SPLIT_FIXUP" not in prepared.launches[-1][1]
+    assert rel_error(_run(plan, a, b), reference(a, b)) <= 1e-2
+
+
 def test_split_counters_are_kept_per_stream_and_fresh_when_traced():
     cpu = torch.device("cpu")
     kept = launcher.split_counters(8, cpu, False)

@@ -638,10 +638,17 @@ def launch_meta(plan: MMPlan, split: bool,
     return MappingProxyType(meta)
 
 
+# The most K splits that finish their own tiles: the last split of a tile reads the others'
+# partials in one unrolled sequence (more would cost more than the reduction launch saves, and
+# lengthen the kernel's compile); plans with more splits keep the reduction kernel.
+FIXUP_MAX_SPLITS = 16
+
+
 def fixes_up_splits(plan: MMPlan, split_k: int) -> bool:
     """Whether ``plan``'s K splits (``split_k`` of them, as launched) finish their tiles
-    themselves: the portable kernel's, when the plan asks."""
-    return plan.split_fixup and split_k > 1 and plan.kernel == "portable"
+    themselves: the portable kernel's, when the plan asks, up to FIXUP_MAX_SPLITS."""
+    return (plan.split_fixup and 1 < split_k <= FIXUP_MAX_SPLITS
+            and plan.kernel == "portable")
 
 
 # --- candidates for tuning ------------------------------------------------------------------------
@@ -679,7 +686,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                 # The portable kernel's splits also finishing their own tiles (no reduction
                 # launch).
                 twins = (plan, dataclasses.replace(plan, split_fixup=True)) if (
-                    kernel == "portable" and split > 1) else (plan,)
+                    kernel == "portable" and 1 < split <= FIXUP_MAX_SPLITS) else (plan,)
                 for candidate in twins:
                     if candidate not in seen:
                         seen.add(candidate)
@@ -747,7 +754,8 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         plans = [MMPlan("portable", tile, **o) for o in options] if (
             not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
         # The same splits finishing their tiles themselves (no reduction launch).
-        plans += [dataclasses.replace(p, split_fixup=True) for p in plans if p.split_k > 1]
+        plans += [dataclasses.replace(p, split_fixup=True) for p in plans
+                  if 1 < p.split_k <= FIXUP_MAX_SPLITS]
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:
