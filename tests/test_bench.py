@@ -109,7 +109,7 @@ def test_bad_options_exit_with_a_message(argv, message, capsys):
 # Rows per suite (per dtype for the mm suites) as the benchmark shape list defines them
 # ("training" is this benchmark's own: 8 layers, three GEMMs each).
 SHAPE_LIST_COUNTS = {"square": 4, "llama": 28, "layouts": 2, "decode": 16, "odd": 4, "deepk": 3,
-                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 7, "grouped": 13,
+                     "shallowk": 2, "latency": 2, "e2e": 1, "coldstart": 8, "grouped": 13,
                      "scaled": 95, "sgrouped": 24, "moe": 8, "training": 24, "classes": 21,
                      "sweep": 400}
 
@@ -552,8 +552,10 @@ def _run_results() -> RunResults:
                    ColdStartResult("override aten, warm caches", 2.4, 99.0, 21.0, 10.4),
                    ColdStartResult("override, PyTorch while compiling, cold caches", 2.5, 100.0,
                                    30.0, 10.4),
-                   ColdStartResult("override aten, PyTorch while compiling, cold caches", 2.6,
-                                   100.0, 30.0, 10.4)],
+                   ColdStartResult("override, PyTorch while compiling, 8 compile processes, "
+                                   "cold caches", 2.6, 100.0, 30.0, 10.4),
+                   ColdStartResult("override aten, PyTorch while compiling, 8 compile "
+                                   "processes, cold caches", 2.6, 100.0, 30.0, 10.4)],
         notes=["something: skipped (a reason)"],
     )
 
@@ -604,7 +606,7 @@ def test_csv_has_every_row_at_full_precision(tmp_path):
     report.write_csv(str(path), results.records())
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 7
+    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 8
     qkv = rows[0]
     assert (qkv["suite"], qkv["name"], qkv["M"], qkv["dtype"]) == ("llama", "qkv", "1", "bf16")
     assert float(qkv["ratio"]) == pytest.approx(1.25)

@@ -1,7 +1,7 @@
 """One cold-start measurement, run in a fresh process by the benchmark's coldstart suite:
 
     python -m torch_triton_gemm.bench.coldstart plain|override|override-aten|warmup \
-        [--while-compiling wait|pytorch]
+        [--while-compiling wait|pytorch] [--compile-processes N]
 
 It builds the drop-in example's model (its GPU defaults, bf16), then times the first training
 steps (forward, cross-entropy, backward, AdamW step, each to completion), plainly or inside
@@ -11,7 +11,8 @@ under the override Triton's compilation of tgemm's kernels (no tuning sweeps: un
 run the heuristic's plans), unless Triton's on-disk cache (``TRITON_CACHE_DIR``) already holds
 them. "warmup" runs ``torch_triton_gemm.warmup`` on
 the model first (its seconds as "warmup_s"), then the override's steps. ``--while-compiling``
-is the override's ``while_compiling`` (default: its own). It prints one JSON line: {"mode",
+is the override's ``while_compiling`` (default: its own); ``--compile-processes N`` compiles in
+N worker processes (TORCH_TRITON_GEMM_COMPILE_PROCESSES). It prints one JSON line: {"mode",
 "step_s": [seconds per step], "loss": first step's loss, "warmup_s" for "warmup",
 "ran_while_compiling": the override's count of calls run on PyTorch while their kernels
 compiled}.
@@ -19,8 +20,10 @@ compiled}.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -72,15 +75,19 @@ def measure(mode: str, steps: int = STEPS, while_compiling: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    while_compiling = None
-    if len(args) == 3 and args[1] == "--while-compiling":
-        args, while_compiling = args[:1], args[2]
-    if len(args) != 1 or args[0] not in MODES:
-        print(f"usage: python -m torch_triton_gemm.bench.coldstart {'|'.join(MODES)} "
-              "[--while-compiling wait|pytorch]", file=sys.stderr)
-        return 2
-    print(json.dumps(measure(args[0], while_compiling=while_compiling)), flush=True)
+    parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.coldstart",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--while-compiling", choices=("wait", "pytorch"), default=None,
+                        help="the override's while_compiling (default: its own)")
+    parser.add_argument("--compile-processes", type=int, default=None, metavar="N",
+                        help="compile in N worker processes "
+                             "(TORCH_TRITON_GEMM_COMPILE_PROCESSES)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.compile_processes is not None:
+        # Read when the compile pool starts its workers, on the first compilation.
+        os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"] = str(args.compile_processes)
+    print(json.dumps(measure(args.mode, while_compiling=args.while_compiling)), flush=True)
     return 0
 
 

@@ -631,8 +631,10 @@ COLDSTART_RUNS = {"plain": "plain", "override, cold caches": "override",
                   "override aten, warm caches": "override-aten",
                   "override, PyTorch while compiling, cold caches":
                       "override --while-compiling pytorch",
-                  "override aten, PyTorch while compiling, cold caches":
-                      "override-aten --while-compiling pytorch"}
+                  "override, PyTorch while compiling, 8 compile processes, cold caches":
+                      "override --while-compiling pytorch --compile-processes 8",
+                  "override aten, PyTorch while compiling, 8 compile processes, cold caches":
+                      "override-aten --while-compiling pytorch --compile-processes 8"}
 
 
 def suite_row_count(suite: str, quick: bool = False, count: int | None = None) -> int:
