@@ -653,3 +653,24 @@ def test_stream_k_plans_launch_once_with_a_flag_per_program(device, monkeypatch)
     out = torch.empty((64, 64), dtype=torch.float16, device=device)
     prepared = prepare_launch(a, b, None, out, "none", False, PLANS["tma-stream-k"], None)
     assert prepared.locks_shape is None and not prepared.launches[0][1]["STREAM_K"]
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu", "silu", "leaky_relu"])
+def test_tuning_times_only_candidates_that_give_the_product(device, activation):
+    """tune_mm checks each candidate's output against torch's product before timing it: what
+    tgemm computes passes; a wrong, partly unwritten or non-finite output does not."""
+    from torch_triton_gemm import tune
+    from torch_triton_gemm.kernels.tiles import ACTIVATIONS
+
+    assert set(tune._ACTIVATIONS) == set(ACTIVATIONS)
+    a, b = randn((40, 96), torch.float16, device), randn((96, 56), torch.float16, device)
+    bias = randn((56,), torch.float16, device)
+    reference = tune.reference_product(a, b, bias, activation)
+    out = tg.mm(a, b, bias, activation)
+    assert tune.gives_the_product(out, reference)
+    assert not tune.gives_the_product(out.flip(0), reference)
+    unwritten = out.clone()
+    unwritten[:8] = 0
+    assert not tune.gives_the_product(unwritten, reference)
+    unwritten[:8] = float("nan")
+    assert not tune.gives_the_product(unwritten, reference)

@@ -37,7 +37,41 @@ LLAMA_MS = (1, 16, 64, 128, 512, 2048, 8192)
 @dataclass
 class Timing:
     plan: tuning.MMPlan
-    ms: float | None  # None: the plan failed to compile or launch (e.g. out of shared memory)
+    # None: the plan failed to compile or launch (e.g. out of shared memory), or its result was
+    # not the product
+    ms: float | None
+
+
+# What a candidate's output is checked against before it is timed: torch's fp32 product with
+# the same epilogue (activation names as in kernels/tiles.py's ACTIVATIONS).
+_ACTIVATIONS = {
+    "none": lambda z: z,
+    "relu": torch.relu,
+    "gelu": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+    "leaky_relu": lambda z: torch.nn.functional.leaky_relu(z, 0.01),
+}
+# Relative error a candidate may show against it: rounding of 16-bit, fp8 or tf32 products,
+# with margin; a kernel that computes something else is far past it.
+CANDIDATE_TOLERANCE = 0.05
+
+
+def reference_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                      activation: str) -> torch.Tensor:
+    """activation(a @ b + bias) by torch, in fp32."""
+    z = a.float() @ b.float()
+    if bias is not None:
+        z = z + bias.float()
+    return _ACTIVATIONS[activation](z)
+
+
+def gives_the_product(out: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a candidate's output is finite and within CANDIDATE_TOLERANCE of the reference
+    (relative Frobenius error)."""
+    if not bool(torch.isfinite(out).all()):
+        return False
+    error = (out.float() - reference).norm() / reference.norm().clamp_min(1e-30)
+    return bool(error <= CANDIDATE_TOLERANCE)
 
 
 def _time_ms(fn, rep_ms: int) -> float:  # type: ignore[no-untyped-def]
@@ -61,15 +95,21 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     tma_args, _, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
     tma = tma_args is not None and _device.supports_tma(device)
     timings = []
+    reference = reference_product(a, b, bias, activation)
     for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
                                        a_k_contiguous=stride_ak == 1):
         def run(plan: tuning.MMPlan = plan) -> None:
             launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 
         try:
+            out.fill_(float("nan"))
             run()
             torch.cuda.synchronize(device)
-            timings.append(Timing(plan, _time_ms(run, rep_ms)))
+            # A candidate must give the product before it may win (twice: a race shows late).
+            right = gives_the_product(out, reference)
+            run()
+            right = right and gives_the_product(out, reference)
+            timings.append(Timing(plan, _time_ms(run, rep_ms) if right else None))
         except Exception:  # noqa: BLE001 - a candidate that cannot run is not a candidate
             timings.append(Timing(plan, None))
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
