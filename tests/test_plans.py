@@ -177,13 +177,23 @@ def test_splits_past_the_fixup_limit_keep_the_reduction(device):
     assert rel_error(_run(plan, a, b), reference(a, b)) <= 1e-2
 
 
-def test_split_counters_are_kept_per_stream_and_fresh_when_traced():
+def test_launch_buffers_are_kept_per_stream_and_fresh_when_traced_or_large(monkeypatch):
+    monkeypatch.setattr(launcher, "_STREAM_BUFFERS", {})
     cpu = torch.device("cpu")
     kept = launcher.split_counters(8, cpu, False)
     assert launcher.split_counters(16, cpu, False) is kept and not kept.any()
     assert launcher.split_counters(8, cpu, True) is not kept  # traced launches: their own
     grown = launcher.split_counters(kept.numel() + 1, cpu, False)
     assert grown is not kept and grown.numel() > kept.numel() and not grown.any()
+    # Workspaces: their own buffer, at least the size asked; fresh and shaped when traced or
+    # past the limit.
+    workspace = launcher.split_workspace((3, 16, 32), cpu, False)
+    assert workspace.numel() >= 3 * 16 * 32 and workspace is not grown
+    assert launcher.split_workspace((2, 16, 32), cpu, False) is workspace
+    assert launcher.split_workspace((2, 16, 32), cpu, True).shape == (2, 16, 32)
+    monkeypatch.setattr(launcher, "STREAM_BUFFER_LIMIT", 1024)
+    large = launcher.split_workspace((2, 16, 32), cpu, False)
+    assert large.shape == (2, 16, 32) and large is not workspace
 
 
 def test_k_zero_on_a_split_plan_gives_the_epilogue_of_bias(device):

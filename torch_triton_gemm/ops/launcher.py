@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -239,7 +240,7 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
         b = b if pad_b is None else pad_b.copy(b)
     workspace = None
     if prepared.workspace_shape is not None:
-        workspace = torch.empty(prepared.workspace_shape, device=a.device, dtype=torch.float32)
+        workspace = split_workspace(prepared.workspace_shape, a.device, traceable)
     locks = None
     if prepared.locks_shape is not None:
         locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
@@ -257,27 +258,52 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                       traceable, caches[-2])
 
 
-# Zeroed counters of K splits that finish their tiles themselves, per (device, stream): each
-# launch leaves its counters at zero again, so they serve every later launch on that stream
-# (launches on one stream run one after another; other streams have their own).
-_SPLIT_COUNTERS: dict[tuple[Any, ...], torch.Tensor] = {}
+# Buffers a GEMM launch uses only while it runs (split-K partials; counters of splits that
+# finish their tiles, which every launch leaves at zero), kept per (kind, device, stream):
+# launches on one stream run one after another, so each may take the previous one's buffer
+# instead of allocating (host time of a small eager GEMM); other streams have their own.
+_STREAM_BUFFERS: dict[tuple[Any, ...], torch.Tensor] = {}
+# Larger workspaces are allocated per launch rather than held for the process.
+STREAM_BUFFER_LIMIT = 1 << 24  # bytes
 
 
-def split_counters(count: int, device: torch.device, traceable: bool) -> torch.Tensor:
-    """At least ``count`` zeroed int32 counters for a launch on ``device``'s current stream
-    that leaves them zeroed: kept per stream, except for launches that tracing records or a
-    CUDA graph captures, which get fresh ones (the zeroing then belongs to the graph)."""
-    if traceable or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return torch.zeros(count, device=device, dtype=torch.int32)
+def stream_buffer(kind: str, shape: tuple[Any, ...], dtype: torch.dtype, device: torch.device,
+                  traceable: bool, zeroed: bool = False) -> torch.Tensor:
+    """A buffer of ``shape``'s size for a launch on ``device``'s current stream (``zeroed``: all
+    zeros, as every launch that uses it leaves it): this stream's ``kind`` buffer, grown on
+    demand, 1-D and maybe larger (kernels read only its base pointer; no view is made, which
+    would cost what the allocation saves); fresh, of ``shape``, for launches that tracing
+    records (before any size arithmetic: sizes may be symbolic) or a CUDA graph captures (the
+    graph may replay beside eager work), and for buffers past STREAM_BUFFER_LIMIT."""
+    allocate = torch.zeros if zeroed else torch.empty
+    if traceable:
+        return allocate(shape, device=device, dtype=dtype)
+    numel = math.prod(shape)
+    if numel * dtype.itemsize > STREAM_BUFFER_LIMIT or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return allocate(shape, device=device, dtype=dtype)
     stream = None
     if device.type == "cuda":
         stream = _current_stream(_current_device() if device.index is None else device.index)
-    key = (device.type, device.index, stream)
-    counters = _SPLIT_COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 1024), device=device, dtype=torch.int32)
-        _SPLIT_COUNTERS[key] = counters
-    return counters
+    key = (kind, device.type, device.index, stream)
+    buffer = _STREAM_BUFFERS.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = allocate(max(numel, 1024), device=device, dtype=dtype)
+        _STREAM_BUFFERS[key] = buffer
+    return buffer
+
+
+def split_counters(count: int, device: torch.device, traceable: bool) -> torch.Tensor:
+    """At least ``count`` zeroed int32 counters for a launch that leaves them zeroed (splits
+    that finish their own tiles); see ``stream_buffer``."""
+    return stream_buffer("counters", (count,), torch.int32, device, traceable, zeroed=True)
+
+
+def split_workspace(shape: tuple[Any, ...], device: torch.device,
+                    traceable: bool) -> torch.Tensor:
+    """The fp32 workspace of a split-K or stream-K launch, [units, BLOCK_M, BLOCK_N] (see
+    ``stream_buffer``)."""
+    return stream_buffer("workspace", shape, torch.float32, device, traceable)
 
 
 def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -447,7 +473,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     gemm, reduce, workspace_shape, locks_shape, tma = direct
     workspace = locks = None
     if workspace_shape is not None:
-        workspace = torch.empty(workspace_shape, device=a.device, dtype=torch.float32)
+        workspace = split_workspace(workspace_shape, a.device, False)
     if locks_shape is not None:
         locks = torch.zeros(locks_shape, device=a.device, dtype=torch.int32)
     elif prepared.counters_shape is not None:
