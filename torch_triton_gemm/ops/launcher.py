@@ -343,8 +343,9 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
     The launch's memo key (each op's eager signature) fixes everything Triton specialises
     on: every argument but the tensors, and of the tensors their dtypes and 16-byte alignment
     (inputs by ``tensor_key``, outputs and workspaces by being allocations of their own, whose
-    bases are aligned). So one compiled kernel per device serves every call with that key. Launching it directly skips the JIT's
-    argument binding and specialisation, about two thirds of the host time of a small GEMM.
+    bases are aligned). So one compiled kernel per device serves every call with that key.
+    Launching it directly skips the JIT's argument binding and specialisation, about two
+    thirds of the host time of a small GEMM.
     Triton's launch hooks (profilers) need the JIT's path, which calls them.
     """
     if _INTERPRETED or _launch_hooks_set():
