@@ -317,10 +317,15 @@ def compiling_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 # --- the hooks of tgemm::mm's eager calls ---------------------------------------------------------
 
-# The last first call whose backward is not submitted yet, per thread: its operands' ids and
-# its product. Autograd's setup_context (ops/mm.py) submits the backward when it records that
-# call; a call nothing records (no_grad inference) leaves it, and the next first call replaces it.
-PENDING = threading.local()
+class _Pending(threading.local):
+    # The last first call whose backward is not submitted yet, per thread: its operands' ids
+    # and its product. Autograd's setup_context (ops/mm.py) submits the backward when it
+    # records that call; a call nothing records (no_grad inference) leaves it, and the next
+    # first call replaces it. (A class default: setup_context reads it on every call.)
+    call: tuple[int, int, GemmSpec] | None = None
+
+
+PENDING = _Pending()
 
 
 def first_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
