@@ -1216,3 +1216,16 @@ def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
             fresh = torch.empty_like(p.out)
             p.launch(plan, *copies, out=fresh)
             assert torch.equal(fresh, p.out)
+
+
+def test_plan_sweep_fixup_ab_pairs_the_planners_split_plans():
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    tile = tuning.TileConfig(16, 64, 128, 1, 4, 4)
+    split = tuning.MMPlan("portable", tile, split_k=8)
+    assert plans.with_fixup_twin([split]) == [split, tuning.MMPlan("portable", tile, split_k=8,
+                                                                   split_fixup=True)]
+    for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan("tma", tile, split_k=8),
+                 tuning.MMPlan("portable", tile, split_k=tuning.FIXUP_MAX_SPLITS + 1)):
+        assert plans.with_fixup_twin([plan]) == [plan]

@@ -166,6 +166,16 @@ def case_plans(case: AnyCase, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
     return aligned, plans
 
 
+def with_fixup_twin(plans: list[tuning.MMPlan]) -> list[tuning.MMPlan]:
+    """``plans`` and, where the first splits K on the portable kernel (up to
+    tuning.FIXUP_MAX_SPLITS), the same plan with splits that finish their own tiles."""
+    first = plans[0]
+    if first.kernel != "portable" or not 1 < first.split_k <= tuning.FIXUP_MAX_SPLITS or (
+            first.split_fixup):
+        return plans
+    return [*plans, dataclasses.replace(first, split_fixup=True)]
+
+
 def _compile_jobs(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]],
                   deadline: float = math.inf) -> int:
     """Launch each plan once (a worker process's share), so that Triton compiles and caches
@@ -306,9 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.chosen_only or args.fixup_ab:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
-        jobs = [(c, d, aligned, plans + [dataclasses.replace(plans[0], split_fixup=True)]
-                 if plans[0].kernel == "portable" and plans[0].split_k > 1 else plans)
-                for c, d, aligned, plans in jobs]
+        jobs = [(c, d, aligned, with_fixup_twin(plans)) for c, d, aligned, plans in jobs]
     if args.no_stream_k:
         jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
                 for c, d, aligned, plans in jobs]
