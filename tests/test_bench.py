@@ -1208,7 +1208,7 @@ def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
     for p, ref, budget in ((mm, mm.args[0].double() @ mm.args[1].double(), 1e-2),
                            (fp8, fp8.reference, 2e-2)):
         for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan("portable", tile, split_k=2),
-                     p.chosen()):
+                     tuning.MMPlan("portable", tile, split_k=2, split_fixup=True), p.chosen()):
             p.out.fill_(float("nan"))
             p.launch(plan)
             assert rel_error(p.out, ref) <= budget, plan
