@@ -1226,6 +1226,9 @@ def test_plan_sweep_fixup_ab_pairs_the_planners_split_plans():
     split = tuning.MMPlan("portable", tile, split_k=8)
     assert plans.with_fixup_twin([split]) == [split, tuning.MMPlan("portable", tile, split_k=8,
                                                                    split_fixup=True)]
-    for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan("tma", tile, split_k=8),
+    tma = tuning.MMPlan("tma", tile, split_k=8)
+    assert plans.with_fixup_twin([tma]) == [tma, tuning.MMPlan("tma", tile, split_k=8,
+                                                               split_fixup=True)]
+    for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tile),
                  tuning.MMPlan("portable", tile, split_k=tuning.FIXUP_MAX_SPLITS + 1)):
         assert plans.with_fixup_twin([plan]) == [plan]

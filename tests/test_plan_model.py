@@ -131,7 +131,7 @@ def test_portable_reads_of_an_m_contiguous_a_are_costed_apart(h100):
 def test_the_plan_space_offers_splits_that_finish_their_tiles_which_the_model_leaves_out():
     space = list(tuning.plan_space(64, 64, 4096, 2, True, 132))
     fixups = [p for p in space if p.split_fixup]
-    assert fixups and all(p.kernel == "portable" and p.split_k > 1 for p in fixups)
+    assert fixups and all(p.kernel in ("portable", "tma") and p.split_k > 1 for p in fixups)
     assert {dataclasses.replace(p, split_fixup=False) for p in fixups} <= set(space)
     chosen = plan_model.modelled_plan(64, 64, 4096, 2, 2, True, 132, True, False)
     assert chosen is not None and not chosen.split_fixup

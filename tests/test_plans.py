@@ -34,8 +34,7 @@ PLANS = {
     # The interpreter counts 4 SMs: outputs of more than 4 tiles run whole waves unsplit.
     "portable-tail-split3": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_tail=True),
     "tma-tail-split3": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_tail=True),
-    # Splits that finish their own tiles (the portable kernel; a TMA plan keeps its reduction
-    # but passes the flag on where its operands fall back to the portable kernel).
+    # Splits that finish their own tiles (either kernel).
     "portable-split3-fixup": tuning.MMPlan("portable", SMALL_TILE, split_k=3, split_fixup=True),
     "portable-tail-split3-fixup": tuning.MMPlan("portable", SMALL_TILE, split_k=3,
                                                 split_tail=True, split_fixup=True),
@@ -93,7 +92,7 @@ def test_every_plan_matches_float64(device, plan, dtype, highest_fp32):
 @pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
                                   "tma-tail-split3", "tma-wide-split3", "tma-stream-k",
                                   "tma-stream-k2", "tma-wide-stream-k", "portable-split3-fixup",
-                                  "portable-tail-split3-fixup"])
+                                  "portable-tail-split3-fixup", "tma-split3-fixup"])
 def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
     # 3 x 3 tiles of 16 x 32: the tail-split plans split 1 of them (the interpreter counts 4
     # SMs); 3 x 1 tiles of 16 x 128, whose partials go out in two column slices.
@@ -110,7 +109,8 @@ def test_split_k_is_deterministic_and_applies_the_epilogue_once(device, plan):
             assert torch.equal(_run(PLANS[plan], a, b, bias, "relu", torch.float32), first)
 
 
-@pytest.mark.parametrize("plan", ["portable-split3", "portable-tail-split3"])
+@pytest.mark.parametrize("plan", ["portable-split3", "portable-tail-split3", "tma-split3",
+                                  "tma-tail-split3", "tma-wide-split3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, plan, dtype,
                                                                         highest_fp32):
@@ -141,7 +141,7 @@ def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, 
 
 _FIXUP_COMPILE_SCRIPT = """
 from hopper_compile import compile_for
-from torch_triton_gemm.kernels.matmul import mm_kernel
+from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel
 
 pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
             "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
@@ -149,20 +149,25 @@ constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True, ACTIVATIO
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=True,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
                  BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=True, SPLIT_K=4)
-compiled = compile_for(mm_kernel, pointers, constants, ["a_ptr", "b_ptr", "c_ptr"],
-                       num_warps=4, num_stages=4)
-lines = compiled.asm["ptx"].splitlines()
-counted = any("atom" in x and "acq_rel" in x and ".add" in x for x in lines)
-print(counted, any("bar.sync" in x for x in lines), any("mma" in x for x in lines))
+tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=1,
+           STREAM_K=False)
+for kernel, extra in ((mm_kernel, {}), (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=False)),
+                      (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=True))):
+    compiled = compile_for(kernel, pointers, {**constants, **extra},
+                           ["a_ptr", "b_ptr", "c_ptr"], num_warps=4, num_stages=4)
+    lines = compiled.asm["ptx"].splitlines()
+    counted = any("atom" in x and "acq_rel" in x and ".add" in x for x in lines)
+    print(counted, any("bar.sync" in x for x in lines), any("mma" in x for x in lines))
 """
 
 
 def test_splits_that_finish_their_tiles_compile_for_hopper():
-    """The counter's acquire-release atomic and the barriers around it, in the sm_90 build of
-    the portable kernel (compiled without a GPU)."""
+    """The counter's acquire-release atomic and the barriers around it, in the sm_90 builds of
+    the portable and the persistent TMA kernel (with and without warp specialization),
+    compiled without a GPU."""
     from test_mm import _run_without_interpreter
 
-    assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True", "True", "True"]
+    assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True"] * 9
 
 
 def test_splits_past_the_fixup_limit_keep_the_reduction(device):
@@ -319,10 +324,10 @@ def test_candidates_start_with_the_heuristic_and_respect_shared_memory(monkeypat
     limit = tuning._device.shared_memory_per_block(0)
     assert all(tuning.shared_memory_bytes(p.tile, 2) <= limit for p in plans)
     assert {p.kernel for p in plans} == {"tma", "portable"}
-    # Skinny products split K; on the portable kernel also with splits that finish their tiles.
+    # Skinny products split K, also with splits that finish their own tiles.
     skinny = list(tuning.candidate_plans(16, 4096, 4096, 2, True, 132))
     fixups = [p for p in skinny if p.split_fixup]
-    assert fixups and all(p.kernel == "portable" and p.split_k > 1 for p in fixups)
+    assert fixups and all(p.kernel in ("portable", "tma") and p.split_k > 1 for p in fixups)
     assert {dataclasses.replace(p, split_fixup=False) for p in fixups} <= set(skinny)
 
 

@@ -88,9 +88,19 @@ FIXUP = tg.tuning.MMPlan("portable", tg.tuning.TileConfig(16, 64, 128, 1, 4, 4),
                         split_fixup=True)
 
 
+FIXUP_TMA = tg.tuning.MMPlan("tma", tg.tuning.TileConfig(64, 64, 64, 8, 4, 4), split_k=4,
+                            split_fixup=True)
+
+
 def split_fixup_mm(a, b):
     # K splits that finish their own tiles (one launch, counters the op allocates).
     with tg.tuning.force_plan(FIXUP):
+        return tg.mm(a, b)
+
+
+def split_fixup_tma_mm(a, b):
+    # The same on the Hopper kernel (the portable one where TMA is not there).
+    with tg.tuning.force_plan(FIXUP_TMA):
         return tg.mm(a, b)
 
 
@@ -102,6 +112,7 @@ def check_all(prefix):
           lambda: torch.empty(80, 64, device="cuda", dtype=bf16).t(), t(80))
     check(prefix + "mm split-k", lambda a, b: tg.mm(a, b), t(16, 8192), t(8192, 64))
     check(prefix + "mm split fix-up", split_fixup_mm, t(16, 8192), t(8192, 64))
+    check(prefix + "mm split fix-up, tma plan", split_fixup_tma_mm, t(64, 8192), t(8192, 64))
     check(prefix + "mm odd", lambda a, b: tg.mm(a, b), t(37, 1003), t(1003, 29))
     check(prefix + "mm large", lambda a, b: tg.mm(a, b), t(2048, 1024),
           lambda: torch.empty(2048, 1024, device="cuda", dtype=bf16).t())
@@ -168,8 +179,9 @@ def test_traced_launches_write_only_what_the_op_allocates():
             label, rest = line.split(" launches ")
             launches, tma = rest.split(" tma ")
             counts[label] = (int(launches), int(tma))
-    assert len(counts) == 2 * 24, lines
+    assert len(counts) == 2 * 25, lines
     assert counts["mm split fix-up"] == (1, 0), counts
+    assert counts["tma mm split fix-up, tma plan"] == (1, 1), counts
     # Every op traced into kernel launches (none fell back to an opaque op), and as on an H100
     # the TMA variants were among them.
     assert all(launches >= 1 for launches, _ in counts.values()), counts

@@ -632,12 +632,11 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
-    else:
-        # Passed even where they are their defaults: PyTorch's analysis of what a traced launch
-        # writes takes every pointer as written when a constexpr is missing.
-        fixup = split and fixup_splits > 1
-        meta["SPLIT_FIXUP"] = fixup
-        meta["SPLIT_K"] = fixup_splits if fixup else 1
+    # Passed even where they are their defaults: PyTorch's analysis of what a traced launch
+    # writes takes every pointer as written when a constexpr is missing.
+    fixup = split and fixup_splits > 1
+    meta["SPLIT_FIXUP"] = fixup
+    meta["SPLIT_K"] = fixup_splits if fixup else 1
     return MappingProxyType(meta)
 
 
@@ -649,9 +648,9 @@ FIXUP_MAX_SPLITS = 16
 
 def fixes_up_splits(plan: MMPlan, split_k: int) -> bool:
     """Whether ``plan``'s K splits (``split_k`` of them, as launched) finish their tiles
-    themselves: the portable kernel's, when the plan asks, up to FIXUP_MAX_SPLITS."""
+    themselves: the GEMM kernels', when the plan asks, up to FIXUP_MAX_SPLITS."""
     return (plan.split_fixup and 1 < split_k <= FIXUP_MAX_SPLITS
-            and plan.kernel == "portable")
+            and plan.kernel in ("portable", "tma"))
 
 
 # --- candidates for tuning ------------------------------------------------------------------------
@@ -686,10 +685,9 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                         tma_epilogue_bytes(tile, 2, subtile)) > smem:
                     continue
                 plan = MMPlan(kernel, tile, split, specialize, subtile, split_tail)
-                # The portable kernel's splits also finishing their own tiles (no reduction
-                # launch).
+                # The same splits also finishing their own tiles (no reduction launch).
                 twins = (plan, dataclasses.replace(plan, split_fixup=True)) if (
-                    kernel == "portable" and 1 < split <= FIXUP_MAX_SPLITS) else (plan,)
+                    1 < split <= FIXUP_MAX_SPLITS) else (plan,)
                 for candidate in twins:
                     if candidate not in seen:
                         seen.add(candidate)
@@ -756,9 +754,6 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         # (and not on 256-wide tiles, whose times there varied from run to run by 10-30%).
         plans = [MMPlan("portable", tile, **o) for o in options] if (
             not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
-        # The same splits finishing their tiles themselves (no reduction launch).
-        plans += [dataclasses.replace(p, split_fixup=True) for p in plans
-                  if 1 < p.split_k <= FIXUP_MAX_SPLITS]
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:
@@ -766,9 +761,12 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
             subtile = epilogue_subtile(tile)
             plans += [MMPlan("tma", tile, epilogue_subtile=subtile, pad=pad, **o)
                       for o in options]
-            if tiles % num_sms and k_steps >= 2:
-                plans += [MMPlan("tma", tile, epilogue_subtile=subtile, pad=pad, stream_k=s)
-                          for s in (1, 2) if s == 1 or tiles > num_sms]
+        # The same splits finishing their tiles themselves (no reduction launch).
+        plans += [dataclasses.replace(p, split_fixup=True) for p in plans
+                  if 1 < p.split_k <= FIXUP_MAX_SPLITS]
+        if tma and fits_tma and tiles % num_sms and k_steps >= 2:
+            plans += [MMPlan("tma", tile, epilogue_subtile=subtile, pad=pad, stream_k=s)
+                      for s in (1, 2) if s == 1 or tiles > num_sms]
         for plan in plans:
             if plan not in seen:
                 seen.add(plan)

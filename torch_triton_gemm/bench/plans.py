@@ -167,10 +167,10 @@ def case_plans(case: AnyCase, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
 
 
 def with_fixup_twin(plans: list[tuning.MMPlan]) -> list[tuning.MMPlan]:
-    """``plans`` and, where the first splits K on the portable kernel (up to
-    tuning.FIXUP_MAX_SPLITS), the same plan with splits that finish their own tiles."""
+    """``plans`` and, where the first splits K (up to tuning.FIXUP_MAX_SPLITS), the same plan
+    with splits that finish their own tiles."""
     first = plans[0]
-    if first.kernel != "portable" or not 1 < first.split_k <= tuning.FIXUP_MAX_SPLITS or (
+    if not tuning.fixes_up_splits(dataclasses.replace(first, split_fixup=True), first.split_k) or (
             first.split_fixup):
         return plans
     return [*plans, dataclasses.replace(first, split_fixup=True)]
@@ -293,9 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     parser.add_argument("--fixup-ab", action="store_true",
-                        help="time the plan the planner picks and, where it splits K on the "
-                             "portable kernel, the same plan with splits that finish their "
-                             "tiles themselves (split_fixup)")
+                        help="time the plan the planner picks and, where it splits K, the "
+                             "same plan with splits that finish their tiles themselves "
+                             "(split_fixup)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")

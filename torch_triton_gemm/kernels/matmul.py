@@ -8,8 +8,8 @@ writing an fp32 partial tile into a workspace of [splits x split tiles, BLOCK_M,
 ``splitk_reduce_kernel`` adds the partials in a fixed order (the same bits every run) and
 applies the epilogue once. A tail split runs the tiles before ``first_tile`` (whole waves of
 SMs) in a launch without SPLIT first, and splits only the last, partial wave's tiles, which then
-spread over every SM instead of leaving most of them idle. With SPLIT_FIXUP (``mm_kernel``
-only) there is no reduction launch: each split, once its partial is stored, counts itself in the
+spread over every SM instead of leaving most of them idle. With SPLIT_FIXUP (either kernel)
+there is no reduction launch: each split, once its partial is stored, counts itself in the
 tile's counter, and the split that finds the others done adds the SPLIT_K partials in split
 order (the same bits whichever finishes last), applies the epilogue and zeroes the counter for
 the next launch. A small product then costs one launch instead of two.
@@ -259,6 +259,7 @@ def mm_tma_kernel(
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_FIXUP: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
 ):
     # Persistent: one program per SM, each looping over the ``units`` work units (see
     # work_unit) in L2-grouped order, stepping by the number of programs, so no wave of
@@ -271,6 +272,8 @@ def mm_tma_kernel(
     # pointers when C cannot be described; an fp32 partial for a split).
     # STREAM_K: before its work units, each program takes its share of the K steps of tiles
     # [0, sk_tiles) (see the module docstring); the work units are then the tiles after them.
+    # SPLIT_FIXUP: the last of a tile's SPLIT_K splits to finish adds the partials and runs
+    # the epilogue (finish_split_tile, through pointer stores), counting in locks_ptr.
     # The runtime arguments match mm_kernel's, so both launch from one argument tuple.
     start = tl.program_id(axis=0)
     programs = tl.num_programs(axis=0)
@@ -341,6 +344,10 @@ def mm_tma_kernel(
         acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
         if SPLIT:
             store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
+            if SPLIT_FIXUP:
+                finish_split_tile(ws_ptr, locks_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m,
+                                  offs_n, M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS,
+                                  ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64)
         else:
             store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                     stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
