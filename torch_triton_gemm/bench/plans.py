@@ -70,7 +70,7 @@ class Problem:
     """One case's operands on the GPU: what its launches and its peer take (``args``), the
     output plans write into, and for fp8 products the recipe's scales and the reference."""
 
-    case: AnyCase
+    case: AnyCase | None  # None: operands given directly (chosen_plan)
     args: tuple[torch.Tensor, ...]
     out: torch.Tensor
     scales: Any = None  # launcher.GemmScales of an fp8 product
