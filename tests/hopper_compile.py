@@ -4,7 +4,6 @@ that run without Triton's interpreter (``test_mm._run_without_interpreter``)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import triton
@@ -16,12 +15,8 @@ def compile_for(kernel: Any, pointers: dict[str, str], constants: dict[str, Any]
                 aligned: list[str] = (), arch: int = 90, **options: Any) -> Any:
     """``kernel`` compiled for ``sm_<arch>``: arguments in ``constants`` are constexprs, those
     in ``pointers`` pointers of the given Triton type, the rest 32-bit integers; ``aligned``
-    ones are marked 16-divisible, as a launch on aligned tensors specialises them; constexprs
-    not given take their defaults, as a launch leaves them. Gluon kernels compile from their
-    own source type. ``options``: num_warps, num_stages."""
-    constants = {**{p.name: p.default for p in kernel.params
-                    if p.is_constexpr and p.default is not inspect.Parameter.empty},
-                 **constants}
+    ones are marked 16-divisible, as a launch on aligned tensors specialises them. Gluon
+    kernels compile from their own source type. ``options``: num_warps, num_stages."""
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                  for name in kernel.arg_names}
     index = kernel.arg_names.index

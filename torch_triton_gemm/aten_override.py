@@ -37,7 +37,6 @@ from .ops.launcher import plain_eager
 from .routing import (
     _KERNEL_DEVICE_TYPES,
     Router,
-    _Plan,
     _plan_addmm,
     _plan_baddbmm,
     _plan_bmm,
@@ -172,10 +171,10 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
             family = _ROUTED_CALLS.get(key)
             if family is not None:
                 router._count(family)
-                if not router._pytorch_while_compiling:
+                if not router.pytorch_while_compiling:
                     return _run_direct(direct.kind, operands, signature)
-                result = router.run(_Plan(family, 0, functools.partial(
-                    _run_direct, direct.kind, operands, signature)))
+                result = router.run(functools.partial(_run_direct, direct.kind, operands,
+                                                      signature))
                 if result is not None:
                     return result
                 return previous.call_boxed(keyset, *args, **kwargs)
@@ -192,7 +191,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
                 if out.dtype != wanted:
                     plan = f"out has dtype {out.dtype}, the product has {wanted}"
             plan = router.decide(name, plan, args)
-            result = None if plan is None else router.run(plan)
+            result = None if plan is None else router.run(plan.run)
             if key is not None and plan is not None and _is_direct(plan, direct.kind, operands):
                 if len(_ROUTED_CALLS) >= _ROUTED_CALLS_LIMIT:
                     _ROUTED_CALLS.clear()

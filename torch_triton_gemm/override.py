@@ -97,7 +97,7 @@ class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
             return func(*args, **kwargs)
         name, planner = entry
         plan = self.decide(name, planner(args, kwargs), args)
-        result = None if plan is None else self.run(plan)
+        result = None if plan is None else self.run(plan.run)
         if result is None:
             return _call_past_overrides(func, args, kwargs)
         return result

@@ -508,7 +508,7 @@ class Router:
         self.min_size = min_size
         self.log = log
         self.while_compiling = while_compiling
-        self._pytorch_while_compiling = while_compiling == "pytorch"
+        self.pytorch_while_compiling = while_compiling == "pytorch"
         self.counts: dict[str, int] = dict.fromkeys((*FAMILIES, "fallback"), 0)
         # Routed calls (counted in ``counts``) that ran on PyTorch while their kernels compiled.
         self.ran_while_compiling = 0
@@ -542,15 +542,16 @@ class Router:
                 _LOG.debug("%s(%s) -> %s [%s]", name, _describe(args), plan.op, plan.family)
         return plan
 
-    def run(self, plan: _Plan) -> torch.Tensor | None:
-        """Run a routed call's plan; None where the router runs calls on PyTorch while their
-        kernels compile (``while_compiling="pytorch"``) and this call's are not built yet (its
-        kernels are then compiling in the background; the caller runs the call on PyTorch)."""
-        if not self._pytorch_while_compiling or torch.compiler.is_compiling():
-            return plan.run()
+    def run(self, call: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """Run a routed call (a plan's ``run``); None where the router runs calls on PyTorch
+        while their kernels compile (``while_compiling="pytorch"``) and this call's are not
+        built yet (its kernels are then compiling in the background; the caller runs the call
+        on PyTorch)."""
+        if not self.pytorch_while_compiling or torch.compiler.is_compiling():
+            return call()
         try:
             with pytorch_until_built():
-                return plan.run()
+                return call()
         except KernelsCompiling:
             with self._counts_lock:
                 self.ran_while_compiling += 1

@@ -632,8 +632,6 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
-    # Passed even where they are their defaults: PyTorch's analysis of what a traced launch
-    # writes takes every pointer as written when a constexpr is missing.
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1

@@ -166,7 +166,7 @@ def mm_kernel(
     SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_FIXUP: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -259,7 +259,7 @@ def mm_tma_kernel(
     A_M_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr, C_TMA: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_FIXUP: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Persistent: one program per SM, each looping over the ``units`` work units (see
     # work_unit) in L2-grouped order, stepping by the number of programs, so no wave of

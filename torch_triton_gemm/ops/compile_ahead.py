@@ -291,12 +291,12 @@ def built(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     compiled by the pool (a failed compilation counts as built: the launch reports its error).
     Where not, they are submitted to the pool. Devices without background compilation, and
     CUDA graph captures (which must record tgemm's kernels), count as built: the call waits."""
+    launched = prepared.compiled[0]  # the first launch's compiled kernel, per device index
+    if launched and _device_index(a.device) in launched:
+        return True  # every call once its kernels ran here: no further checks
     if not background_enabled(a.device):
         return True
-    device = _device_index(a.device)
-    if device in prepared.compiled[0]:
-        return True
-    if a.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if a.device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing():
         return True
     return all(future.done() for future in submit(prepared_variants(prepared, a, b, bias, out)))
 

@@ -280,7 +280,7 @@ def stream_buffer(kind: str, shape: tuple[Any, ...], dtype: torch.dtype, device:
         return allocate(shape, device=device, dtype=dtype)
     numel = math.prod(shape)
     if numel * dtype.itemsize > STREAM_BUFFER_LIMIT or (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()):
         return allocate(shape, device=device, dtype=dtype)
     stream = None
     if device.type == "cuda":
