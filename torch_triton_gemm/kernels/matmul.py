@@ -326,7 +326,9 @@ def mm_tma_kernel(
                         EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
             end = begin
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
-    for unit in tl.range(start, units, programs, flatten=True,
+    # Not flattened with SPLIT_FIXUP: Triton 3.6's nested-loop fusion fails on the finishing
+    # split's branch (an scf.if verifier error while compiling for sm_90).
+    for unit in tl.range(start, units, programs, flatten=not SPLIT_FIXUP,
                          warp_specialize=WARP_SPECIALIZE):
         tile, k, _ = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N, SPLIT)
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
