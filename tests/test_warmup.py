@@ -475,6 +475,33 @@ def test_a_first_call_submits_its_kernels_and_its_backward(monkeypatch, fresh_po
     assert set(submitted) == everything  # the backward's first calls submitted nothing new
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_aten_level_first_call_submits_its_backward_at_once(monkeypatch, fresh_pool, bias):
+    """Below autograd, aten's derivative formula records the call and tgemm's autograd never
+    sees it: the forward's first call submits the backward's products itself, the ones aten's
+    backward then launches; under no_grad it submits none."""
+    M, N, K = 24, 72, 32
+    submitted, _ = _fake_background(monkeypatch, fresh_pool)
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, bias=bias)
+    forward, everything = _keys([spec]), _keys(warming.all_specs([spec]))
+    assert everything > forward
+    x = _operand(M, K, False)
+    w = torch.randn(N, K, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    b = torch.randn(N, dtype=DTYPE, device=DEVICE, requires_grad=True) if bias else None
+    with tg.override(level="aten"):
+        out = torch.nn.functional.linear(x, w, b)
+        assert set(submitted[:len(forward)]) == forward
+        assert set(submitted) == everything  # before any backward ran
+        launched = _record_launches(monkeypatch)
+        out.backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
+        assert launched and set(launched) <= everything
+        assert not compile_ahead.RECORDED_BELOW.on
+        other = compile_ahead.linear_spec(M, N // 2, K, DTYPE, DEVICE, bias=bias)
+        with torch.no_grad():
+            torch.nn.functional.linear(x, w[:N // 2].detach(), None if b is None else b[:N // 2])
+    assert set(submitted) == everything | _keys([other])
+
+
 def test_a_launch_waits_for_its_variant_compiling_in_the_pool(monkeypatch, fresh_pool):
     M, N, K = 24, 48, 32
     spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE)

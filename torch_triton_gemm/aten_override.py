@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .ops import compile_ahead as _compile_ahead
 from .ops import grouped_mm as _grouped_module
 from .ops import mm as _mm_module
 from .ops._registry import _without_dynamo
@@ -184,6 +185,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         # Python entry points must not record one of their own.
         torch._C._set_grad_enabled(False)
         _ROUTING.busy = True
+        _compile_ahead.RECORDED_BELOW.on = grad_mode
         try:
             plan: Any = op.planner(args, kwargs, autocast=False)
             if out is not None and not isinstance(plan, str):
@@ -198,6 +200,7 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
                 _ROUTED_CALLS[key] = plan.family
         finally:
             _ROUTING.busy = False
+            _compile_ahead.RECORDED_BELOW.on = False
             torch._C._set_grad_enabled(grad_mode)
         if result is None:
             if out is not None:

@@ -77,6 +77,10 @@ def time_batches(run_batch: Callable[[], Any], calls: int, warmup_ms: float,
                  rep_ms: float) -> float:
     """Median ms per call over back-to-back batches of ``calls`` calls, each batch bracketed by
     CUDA events; about ``warmup_ms`` of batches first, then at least ``rep_ms`` of them."""
+    # Not the first run: a CUDA graph's first replay uploads it (and a first launch may meet
+    # the GPU at idle clocks), which made batches of a few-microsecond kernel look ten times
+    # longer than they are and left too few warm-up and timed batches.
+    run_batch()
     batch_ms = max(_elapsed_ms(run_batch), 1e-3)
     for _ in range(math.ceil(warmup_ms / batch_ms)):
         run_batch()

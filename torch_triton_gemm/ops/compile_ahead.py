@@ -11,7 +11,8 @@ Who asks:
 - the first eager call of each tgemm::mm signature (ops/mm.py) submits its own kernels (a
   split-K plan launches two or three, which then compile at once) and, when autograd records
   it, the products its backward will run (``backward_specs``), which compile while the forward
-  goes on;
+  goes on (at the aten level, where aten's derivative formula records the call, at once:
+  ``RECORDED_BELOW``);
 - ``torch_triton_gemm.warmup`` submits every product of a model or shape list, forward and
   backward, and waits for them.
 
@@ -328,6 +329,16 @@ class _Pending(threading.local):
 PENDING = _Pending()
 
 
+class _RecordedBelow(threading.local):
+    # Set by the aten-level override around a call it routes while grad mode is on: aten's own
+    # derivative formula records the call (tgemm's autograd never sees it), so a first call
+    # submits its backward's products at once. (A class default: first calls read it.)
+    on: bool = False
+
+
+RECORDED_BELOW = _RecordedBelow()
+
+
 def first_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
                out: torch.Tensor, prepared: PreparedLaunch) -> None:
     """The first eager call of a signature, before it launches: submit its own kernels, and
@@ -336,7 +347,12 @@ def first_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, acti
     if (a.requires_grad or b.requires_grad) and torch._C._current_graph_task_id() == -1:
         bias_spec = None if bias is None else OperandSpec.of(bias)
         spec = GemmSpec(OperandSpec.of(a), OperandSpec.of(b), bias_spec, activation, out.dtype)
-        PENDING.call = (id(a), id(b), spec)
+        if RECORDED_BELOW.on:
+            # aten's formulas for mm and addmm run the products backward_specs names.
+            for backward in backward_specs(spec, a.requires_grad, b.requires_grad):
+                submit(variants(backward))
+        else:
+            PENDING.call = (id(a), id(b), spec)
 
 
 def recorded(a: torch.Tensor, b: torch.Tensor) -> None:
