@@ -290,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-stream-k", action="store_true", help="leave stream-K plans out")
     parser.add_argument("--max-n", type=int, default=None, metavar="N",
                         help="only shapes with at most N output columns")
+    parser.add_argument("--max-flop", type=float, default=None, metavar="F",
+                        help="only products of at most F floating-point operations (2*M*N*K)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     parser.add_argument("--fixup-ab", action="store_true",
@@ -303,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
+    if args.max_flop is not None:
+        cases = [case for case in cases if 2 * case.m * case.n * case.k <= args.max_flop]
     if args.recipes is not None:
         recipes = set(args.recipes.split(","))
         cases = [c for c in cases if not isinstance(c, ScaledCase) or c.recipe in recipes]
