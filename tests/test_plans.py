@@ -149,9 +149,10 @@ constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True, ACTIVATIO
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=True,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
                  BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=True, SPLIT_K=4)
+portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1)
 tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=1,
            STREAM_K=False)
-for kernel, extra in ((mm_kernel, {}), (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=False)),
+for kernel, extra in ((mm_kernel, portable), (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=False)),
                       (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=True))):
     compiled = compile_for(kernel, pointers, {**constants, **extra},
                            ["a_ptr", "b_ptr", "c_ptr"], num_warps=4, num_stages=4)
@@ -713,3 +714,96 @@ def test_tuning_times_only_candidates_that_give_the_product(device, activation):
     assert not tune.gives_the_product(unwritten, reference)
     unwritten[:8] = float("nan")
     assert not tune.gives_the_product(unwritten, reference)
+
+
+# --- pitch hints (TORCH_TRITON_GEMM_PITCH_HINTS) ------------------------------------------------
+
+def test_pitch_alignment():
+    bf16, fp32, fp8 = 2, 4, 1
+    # Triton knows unit strides and multiples of 16 elements itself; symbolic strides get none.
+    for stride in (0, 1, 16, 48, 4096):
+        assert tuning.pitch_alignment(stride, bf16) == 1
+    assert tuning.pitch_alignment(torch.SymInt, bf16) == 1  # not an int
+    # The largest power of two dividing the stride, up to one 16-byte vector.
+    assert [tuning.pitch_alignment(s, bf16) for s in (200, 204, 202, 201, 4360)] == [8, 4, 2, 1, 8]
+    assert [tuning.pitch_alignment(s, fp32) for s in (200, 204, 202, 8)] == [4, 4, 2, 4]
+    assert [tuning.pitch_alignment(s, fp8) for s in (200, 204, 40, 24)] == [8, 4, 8, 8]
+    for stride in range(2, 400):
+        for size in (bf16, fp32, fp8):
+            align = tuning.pitch_alignment(stride, size)
+            assert stride % align == 0 and align * size <= 16
+
+
+@pytest.mark.parametrize("hints", [False, True])
+def test_pitch_hints_in_the_portable_launch(monkeypatch, device, hints):
+    """Only with the switch on, only on the portable kernel, and each stride's own alignment."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1" if hints else "0")
+    k = 204
+    a = randn((40, k), torch.float16, device)  # row-major, pitch 204: 4 elements
+    b = randn((96, k), torch.float16, device).t()  # W.t(), pitch 204
+    out = a.new_empty((40, 96))
+    portable = tuning.MMPlan("portable", SMALL_TILE)
+    meta = launcher.prepare_launch(a, b, None, out, "none", False, portable, None).launches[0][1]
+    aligns = tuple(meta[f] for f in ("A_M_ALIGN", "A_K_ALIGN", "B_K_ALIGN", "B_N_ALIGN"))
+    assert aligns == ((4, 1, 1, 4) if hints else (1, 1, 1, 1))
+    x = randn((k, 44), torch.float16, device)[:, :40].t()  # A M-contiguous: pitch 44
+    w = randn((k, 200), torch.float16, device)[:, :96]  # B row-major, pitch 200
+    meta = launcher.prepare_launch(x, w, None, out, "none", False, portable, None).launches[0][1]
+    aligns = tuple(meta[f] for f in ("A_M_ALIGN", "A_K_ALIGN", "B_K_ALIGN", "B_N_ALIGN"))
+    assert aligns == ((1, 4, 8, 1) if hints else (1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=str)
+def test_every_narrow_pitch_matches_float64_with_hints(monkeypatch, device, dtype):
+    """Pitches of 8, 4, 2 and 1 elements past a multiple of 16, each operand row- and
+    column-major, through unsplit, split and tail-split portable plans with the hints on."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1")
+    m, n, k = 37, 45, 104
+    for pad in (8, 4, 2, 1, 12):
+        operands = {
+            "a row": randn((m, k + pad), dtype, device)[:, :k],
+            "a col": randn((k, m + pad), dtype, device)[:, :m].t(),
+            "b row": randn((k, n + pad), dtype, device)[:, :n],
+            "b col": randn((n, k + pad), dtype, device)[:, :k].t(),
+        }
+        for a_layout in ("a row", "a col"):
+            for b_layout in ("b row", "b col"):
+                a, b = operands[a_layout], operands[b_layout]
+                for name in ("portable", "portable-split3", "portable-tail-split3"):
+                    out = _run(PLANS[name], a, b)
+                    ref = reference(a, b)
+                    assert rel_error(out, ref) <= tolerance(out.dtype, dtype), (
+                        name, pad, a_layout, b_layout)
+
+
+_PITCH_COMPILE_SCRIPT = """
+import re
+from hopper_compile import compile_for
+from torch_triton_gemm.kernels.matmul import mm_kernel
+
+pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+            "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
+                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
+                 SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1,
+                 A_K_ALIGN=1, B_K_ALIGN=1)
+# Pitches stride_am and stride_bn not specialised as multiples of 16 (a narrow launch).
+for align in (1, 4, 8):
+    compiled = compile_for(mm_kernel, pointers, dict(constants, A_M_ALIGN=align, B_N_ALIGN=align),
+                           ["a_ptr", "b_ptr", "c_ptr", "stride_cm"], num_warps=4, num_stages=4)
+    ptx = compiled.asm["ptx"]
+    widths = {int(w, 0) for w in re.findall(
+        r"cp\\.async\\.c[ag]\\.shared\\.global[^;]*\\], (0x[0-9a-f]+|\\d+)", ptx)}
+    print(align, ",".join(map(str, sorted(widths))) or "-")
+"""
+
+
+def test_pitch_hints_give_narrow_pitches_vector_copies_for_hopper():
+    """The sm_90 build of the portable kernel, pitches known only as multiples of 8 or 4
+    elements: 16- and 8-byte cp.async copies into the pipeline's buffers; without the hint,
+    none (scalar loads, no pipeline)."""
+    from test_mm import _run_without_interpreter
+
+    lines = _run_without_interpreter(_PITCH_COMPILE_SCRIPT).splitlines()
+    assert lines == ["1 -", "4 8", "8 16"]

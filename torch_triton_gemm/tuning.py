@@ -615,14 +615,41 @@ def tile_meta(tile: TileConfig) -> Mapping[str, Any]:
     })
 
 
+_PITCH_HINTS_ENV = "TORCH_TRITON_GEMM_PITCH_HINTS"
+
+
+def pitch_hints_enabled() -> bool:
+    """Whether the portable kernel is told how the operands' pitches align
+    (``pitch_alignment``): ``TORCH_TRITON_GEMM_PITCH_HINTS=1``. Opt-in until timed on a GPU
+    (the sm_90 build then loads narrow-pitch operands with cp.async vectors; see
+    ``kernels/tiles.py``'s k_loop)."""
+    return os.environ.get(_PITCH_HINTS_ENV, "0") == "1"
+
+
+def pitch_alignment(stride: Any, element_size: int) -> int:
+    """The elements by which an operand stride is known to be a multiple, for the portable
+    kernel's vector loads: the largest power of two dividing it, up to one 16-byte vector; 1
+    where Triton knows as much itself (strides of 0, 1 or multiples of 16 elements, which it
+    specialises on) and for symbolic strides (traced launches, which must not guard on them)."""
+    if type(stride) is not int or stride <= 1 or stride % 16 == 0:
+        return 1
+    vector = max(1, 16 // element_size)
+    align = 1
+    while align < vector and stride % (2 * align) == 0:
+        align *= 2
+    return align
+
+
 @functools.cache
 def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
-                stream_k: bool = False, fixup_splits: int = 0) -> Mapping[str, Any]:
+                stream_k: bool = False, fixup_splits: int = 0,
+                aligns: tuple[int, int, int, int] = (1, 1, 1, 1)) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
-    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not, and
+    scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
-    themselves; read-only."""
+    themselves, and (``aligns``, the portable kernel's) the ``pitch_alignment`` of stride_am,
+    stride_ak, stride_bk and stride_bn; read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -632,6 +659,8 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
+    else:
+        meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"] = aligns
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1

@@ -143,7 +143,7 @@ def pointer_tile(
         stride_am, stride_ak, stride_bk, stride_bn,
         sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
         BLOCK_M, ACC_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
+        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, 1, 1, 1, 1,
     )
     if GATE != "none":
         gate, up = column_halves(acc, BLOCK_M, ACC_N)

@@ -166,7 +166,8 @@ def mm_kernel(
     SPLIT: tl.constexpr, SCALING: tl.constexpr, SA_ROWS: tl.constexpr,
     SB_COLS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
+    A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -192,7 +193,7 @@ def mm_kernel(
         stride_am, stride_ak, stride_bk, stride_bn,
         sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM,
+        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, A_M_ALIGN, A_K_ALIGN, B_K_ALIGN, B_N_ALIGN,
     )
     acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
     if SPLIT:

@@ -132,7 +132,8 @@ def k_loop(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST_TO_FP32: tl.constexpr, INDEX_64: tl.constexpr,
     SCALING: tl.constexpr, SA_ROWS: tl.constexpr, SB_COLS: tl.constexpr,
-    FAST_ACCUM: tl.constexpr,
+    FAST_ACCUM: tl.constexpr, A_M_ALIGN: tl.constexpr, A_K_ALIGN: tl.constexpr,
+    B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
 ):
     """Accumulate one [BLOCK_M, BLOCK_N] tile of A[offs_m, k_start:k_start+K] @
     B[k_start:k_start+K, offs_n] in fp32 (a_ptr and b_ptr point at column / row k_start).
@@ -141,10 +142,24 @@ def k_loop(
     so only K needs masking: the full BLOCK_K steps run unmasked and software-pipelined, and one
     masked step handles the remainder when K is not a multiple of BLOCK_K. Each step goes
     through ``accumulate`` (scaled recipes included).
+
+    The *_ALIGN constants are elements by which the strides are known multiples beyond what
+    Triton specialises on itself (``tuning.pitch_alignment``; 1: nothing more): a pitch of 8
+    bf16 elements is not a multiple of 16, so without the hint every load is scalar and unpipelined.
     """
     offs_k = widen(tl.arange(0, BLOCK_K), INDEX_64)
-    a_ptrs = a_ptr + (offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak)
-    b_ptrs = b_ptr + (offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+    a_rows, a_cols = offs_m * stride_am, offs_k * stride_ak
+    b_rows, b_cols = offs_k * stride_bk, offs_n * stride_bn
+    if A_M_ALIGN > 1:
+        a_rows = tl.multiple_of(a_rows, A_M_ALIGN)
+    if A_K_ALIGN > 1:
+        a_cols = tl.multiple_of(a_cols, A_K_ALIGN)
+    if B_K_ALIGN > 1:
+        b_rows = tl.multiple_of(b_rows, B_K_ALIGN)
+    if B_N_ALIGN > 1:
+        b_cols = tl.multiple_of(b_cols, B_N_ALIGN)
+    a_ptrs = a_ptr + (a_rows[:, None] + a_cols[None, :])
+    b_ptrs = b_ptr + (b_rows[:, None] + b_cols[None, :])
     a_step = BLOCK_K * widen(stride_ak, INDEX_64)
     b_step = BLOCK_K * widen(stride_bk, INDEX_64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

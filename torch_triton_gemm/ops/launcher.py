@@ -146,6 +146,9 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     else:
         strides, flags = (stride_am, stride_ak, stride_bk, stride_bn), {}
         kernel = mm_kernel
+    aligns = (1, 1, 1, 1)
+    if kernel is mm_kernel and tuning.pitch_hints_enabled():
+        aligns = tuple(tuning.pitch_alignment(stride, a.element_size()) for stride in strides)
 
     def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
@@ -157,7 +160,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0)
+                                  split_k if fixup else 0, aligns)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
         grid = ((programs if sk_tiles else min(programs, units)),) if (
             kernel is mm_tma_kernel) else (units,)
