@@ -139,17 +139,24 @@ def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, 
         assert not counters.any()
 
 
-_FIXUP_COMPILE_SCRIPT = """
+# The GEMM kernels compiled for sm_90 without a GPU: a bf16 64x64x64 launch's constants, row-
+# major A and B = W.t(); ``portable``: the portable kernel's own.
+_HOPPER_MM_PREAMBLE = """
+import re
 from hopper_compile import compile_for
 from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel
 
 pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
             "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
-constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=True, ACTIVATION="gelu",
-                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=True,
+constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
+                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
-                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=True, SPLIT_K=4)
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1)
 portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1)
+"""
+
+_FIXUP_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+constants.update(HAS_BIAS=True, ACTIVATION="gelu", SPLIT=True, SPLIT_FIXUP=True, SPLIT_K=4)
 tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=1,
            STREAM_K=False)
 for kernel, extra in ((mm_kernel, portable), (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=False)),
@@ -776,21 +783,11 @@ def test_every_narrow_pitch_matches_float64_with_hints(monkeypatch, device, dtyp
                         name, pad, a_layout, b_layout)
 
 
-_PITCH_COMPILE_SCRIPT = """
-import re
-from hopper_compile import compile_for
-from torch_triton_gemm.kernels.matmul import mm_kernel
-
-pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*bf16",
-            "ws_ptr": "*fp32", "locks_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
-constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
-                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
-                 SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
-                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1,
-                 A_K_ALIGN=1, B_K_ALIGN=1)
+_PITCH_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
 # Pitches stride_am and stride_bn not specialised as multiples of 16 (a narrow launch).
 for align in (1, 4, 8):
-    compiled = compile_for(mm_kernel, pointers, dict(constants, A_M_ALIGN=align, B_N_ALIGN=align),
+    hinted = {**constants, **portable, "A_M_ALIGN": align, "B_N_ALIGN": align}
+    compiled = compile_for(mm_kernel, pointers, hinted,
                            ["a_ptr", "b_ptr", "c_ptr", "stride_cm"], num_warps=4, num_stages=4)
     ptx = compiled.asm["ptx"]
     widths = {int(w, 0) for w in re.findall(
