@@ -760,6 +760,20 @@ def test_pitch_hints_in_the_portable_launch(monkeypatch, device, hints):
     assert aligns == ((1, 4, 8, 1) if hints else (1, 1, 1, 1))
 
 
+@pytest.mark.parametrize("hints", [False, True])
+def test_the_plan_model_sees_hinted_pitches_as_wide(monkeypatch, hints):
+    """With the hints, a pitch of a 16-byte vector's worth of elements loads as wide as a
+    multiple of 16 elements: the plan model costs it so; a pitch of 4 elements stays narrow."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1" if hints else "0")
+    w = torch.empty((64, 200), dtype=torch.bfloat16)
+    assert planner._narrow(torch.empty((8, 200), dtype=torch.bfloat16), w.t()) is not hints
+    assert planner._narrow(torch.empty((8, 204), dtype=torch.bfloat16), w.t())
+    assert not planner._narrow(torch.empty((8, 208), dtype=torch.bfloat16),
+                               torch.empty((64, 208), dtype=torch.bfloat16).t())
+    assert planner._narrow(torch.empty((8, 200), dtype=torch.float32),
+                           torch.empty((64, 200), dtype=torch.float32).t()) is not hints
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=str)
 def test_every_narrow_pitch_matches_float64_with_hints(monkeypatch, device, dtype):
     """Pitches of 8, 4, 2 and 1 elements past a multiple of 16, each operand row- and

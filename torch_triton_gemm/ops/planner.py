@@ -78,13 +78,17 @@ def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a pitch of the operands is not a multiple of 16 elements (no wide vector loads
-    for the portable kernel); the plan model weighs it, with whether TMA reads the operands as
-    they are (``view`` of ``_plan``)."""
+    for the portable kernel; with pitch hints on, ``tuning.pitch_hints_enabled``, not a
+    multiple of a 16-byte vector); the plan model weighs it, with whether TMA reads the
+    operands as they are (``view`` of ``_plan``)."""
+    hinted = tuning.pitch_hints_enabled()
     narrow = False
     for t in (a, b):
         rows, cols = t.shape
         for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
-            if size > 1 and pitch != 1 and pitch % 16:
+            if size > 1 and pitch != 1 and pitch % 16 and not (
+                    hinted and tuning.pitch_alignment(pitch, t.element_size())
+                    * t.element_size() >= 16):
                 narrow = True
     return narrow
 
