@@ -435,8 +435,10 @@ def test_list_prints_suites_and_row_counts(capsys):
     for suite, count in SHAPE_LIST_COUNTS.items():
         assert any(line.split()[:2] == [suite, str(count)] for line in out.splitlines()), suite
     per_dtype = sum(SHAPE_LIST_COUNTS[s] for s in suites.DEFAULT_SUITES if suites.per_dtype(s))
-    fixed = SHAPE_LIST_COUNTS["e2e"] + SHAPE_LIST_COUNTS["coldstart"]
+    # bf16 and fp16, and the latency suite's fp8 rows.
+    fixed = SHAPE_LIST_COUNTS["e2e"] + SHAPE_LIST_COUNTS["coldstart"] + SHAPE_LIST_COUNTS["latency"]
     assert f"{2 * per_dtype + fixed} rows would run" in out
+    assert any(line.split()[:3] == ["latency", "2", "bf16,fp16,fp8"] for line in out.splitlines())
 
 
 def test_list_shows_the_sweep_of_a_seed(capsys):
@@ -534,7 +536,9 @@ def _run_results() -> RunResults:
     return RunResults(
         mm=_mm_results(),
         latency=[LatencyResult(Case("latency", "64^3", 64, 64, 64), "bf16",
-                               {"torch.ops.tgemm.mm": 60.0, "tgemm.mm": 30.0, "torch.mm": 10.0})],
+                               {"torch.ops.tgemm.mm": 60.0, "tgemm.mm": 30.0, "torch.mm": 10.0}),
+                 LatencyResult(Case("latency", "64^3", 64, 64, 64), "fp8",
+                               {"torch.ops.tgemm.mm": 26.0, "tgemm.mm": 22.0, "torch.mm": 20.0})],
         grouped=[GemmResult(GroupedCase("mixtral", "fwd", 8, 8192, 14336, 4096), "bf16",
                             {"tgemm": 2.0, "torch": 2.2, "loop": 3.0},
                             {"tgemm": 2.1, "torch": 2.3, "loop": 4.2}, 2e-3, "fp32", 1.0)],
@@ -574,6 +578,9 @@ def test_summary_geomeans_per_suite_and_dtype_and_worst_row():
     assert _cells(text, "scaled blockwise")[3:5] == ["1", "n/a"]  # torch cannot: no ratio
     assert "worst row (kernel-only, vs torch): llama o M=16 bf16 0.50x" in text
     assert "latency 64^3 bf16, host time per call: tgemm.mm 30.0 us (3.00x torch.mm)" in text
+    assert ("latency 64^3 fp8, host time per call: tgemm.scaled_mm 22.0 us (1.10x "
+            "torch._scaled_mm), torch.ops.tgemm.scaled_mm 26.0 us (1.30x), torch._scaled_mm "
+            "20.0 us") in text
     assert "e2e: override step 50.0 ms vs plain 45.0 ms: 1.11x the plain time" in text
     assert ("coldstart first step: plain 2.00 s, override, cold caches 30.00 s (15.00x), "
             "override, warm caches n/a (n/a)") in text
@@ -606,7 +613,7 @@ def test_csv_has_every_row_at_full_precision(tmp_path):
     report.write_csv(str(path), results.records())
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 + 1 + 1 + 2 + 1 + 8
+    assert len(rows) == 4 + 2 + 1 + 2 + 1 + 8  # mm, latency (bf16, fp8), grouped, scaled, ...
     qkv = rows[0]
     assert (qkv["suite"], qkv["name"], qkv["M"], qkv["dtype"]) == ("llama", "qkv", "1", "bf16")
     assert float(qkv["ratio"]) == pytest.approx(1.25)
@@ -1078,10 +1085,12 @@ def test_gpu_kernel_only_leaves_out_host_time():
 def test_gpu_latency_row():
     from torch_triton_gemm.bench import gemm
 
-    [r] = gemm.run_latency([Case("latency", "64^3", 64, 64, 64)], ["bf16"], torch.device("cuda"))
-    assert not r.error, r.error
-    assert set(r.host_us) == {"torch.ops.tgemm.mm", "tgemm.mm", "torch.mm"}
-    assert all(0 < us < 10_000 for us in r.host_us.values())
+    rows = gemm.run_latency([Case("latency", "64^3", 64, 64, 64)], ["bf16"], torch.device("cuda"))
+    assert [r.dtype for r in rows] == ["bf16", "fp8"]  # the scaled_mm path's row too
+    for r in rows:
+        assert not r.error, r.error
+        assert set(r.host_us) == {"torch.ops.tgemm.mm", "tgemm.mm", "torch.mm"}
+        assert all(0 < us < 10_000 for us in r.host_us.values())
 
 
 @pytest.mark.gpu

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtypes", type=_dtypes, default=None, metavar="NAMES",
         help="dtypes of the mm and latency suites: bf16, fp16 (default: bf16,fp16; "
-             "with --quick: bf16)")
+             "with --quick: bf16); the latency suite adds fp8 (the scaled_mm path)")
     parser.add_argument(
         "--quick", action="store_true",
         help="a representative subset of every suite (see --list --quick), bf16 unless "
@@ -164,10 +164,13 @@ def list_text(args: argparse.Namespace) -> str:
     total = 0
     for name in suites.ALL_SUITES:
         count = suites.suite_row_count(name, args.quick, args.count)
-        dtypes = (",".join(args.dtypes) if suites.per_dtype(name) else _FIXED_DTYPES[name])
+        # The latency suite also times the fp8 scaled_mm path, whatever --dtypes says.
+        extra = ("fp8",) if name == "latency" else ()
+        dtypes = (",".join((*args.dtypes, *extra)) if suites.per_dtype(name)
+                  else _FIXED_DTYPES[name])
         runs = name in args.suite
         if runs:
-            total += count * (len(args.dtypes) if suites.per_dtype(name) else 1)
+            total += count * (len(args.dtypes) + len(extra) if suites.per_dtype(name) else 1)
         rows.append([name, str(count), dtypes, "yes" if runs else "",
                      suites.SUITE_DESCRIPTIONS[name]])
     headers = ("suite", "rows", "dtypes", "runs", "what")

@@ -139,26 +139,40 @@ def run_mm(cases: Sequence[Case], dtype_names: Sequence[str], settings: TimingSe
 
 
 def measure_latency(case: Case, dtype_name: str, device: torch.device) -> LatencyResult:
-    """Host time per eager call of the registered op, the Python function and torch.mm."""
-    a, b = make_operands(case, DTYPES[dtype_name], device)
-    fns = {
-        "torch.ops.tgemm.mm": lambda x, y: torch.ops.tgemm.mm(x, y, None, "none", None),
-        "tgemm.mm": tg.mm,
-        "torch.mm": torch.mm,
-    }
+    """Host time per eager call of the registered op, the Python function and torch.mm; for
+    ``dtype_name`` "fp8", of the scaled_mm path in those roles (``SCALED_LATENCY_NAMES``:
+    e4m3 operands, tensorwise scales, bf16 out, b as W.t())."""
+    if dtype_name == "fp8":
+        a, b = make_operands(case, torch.bfloat16, device)
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        fns = {
+            "torch.ops.tgemm.mm": lambda x, y: torch.ops.tgemm.scaled_mm(
+                x, y, one, one, None, torch.bfloat16, False),
+            "tgemm.mm": lambda x, y: tg.scaled_mm(x, y, one, one, out_dtype=torch.bfloat16),
+            "torch.mm": lambda x, y: torch._scaled_mm(x, y, one, one,
+                                                      out_dtype=torch.bfloat16),
+        }
+    else:
+        a, b = make_operands(case, DTYPES[dtype_name], device)
+        fns = {
+            "torch.ops.tgemm.mm": lambda x, y: torch.ops.tgemm.mm(x, y, None, "none", None),
+            "tgemm.mm": tg.mm,
+            "torch.mm": torch.mm,
+        }
     # The first calls tune the size bucket; host_us_per_call warms up after that.
-    first_call(lambda: tg.mm(a, b))
+    first_call(lambda: fns["tgemm.mm"](a, b))
     return LatencyResult(case, dtype_name, host_us_per_call(fns, (a, b)))
 
 
 def run_latency(cases: Sequence[Case], dtype_names: Sequence[str],
                 device: torch.device) -> list[LatencyResult]:
-    """The latency suite's rows for every dtype."""
+    """The latency suite's rows for every dtype, then the fp8 scaled_mm path's."""
     return run_rows([
         Row(f"{case.label()} {dtype} host time",
             lambda c=case, d=dtype: measure_latency(c, d, device),
             lambda message, c=case, d=dtype: LatencyResult(c, d, error=message))
-        for dtype in dtype_names for case in cases])
+        for dtype in (*dtype_names, "fp8") for case in cases])
 
 
 # --- accuracy helpers shared by the grouped and scaled suites -----------------------------------

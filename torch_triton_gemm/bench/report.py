@@ -22,6 +22,7 @@ from .results import (
     GemmResult,
     LatencyResult,
     RunResults,
+    latency_name,
     safe_ratio,
 )
 
@@ -157,7 +158,9 @@ def latency_section(results: Sequence[LatencyResult]) -> Section:
         rows.append([c.name, str(c.m), str(c.n), str(c.k), r.dtype, *us,
                      fmt_ratio(r.ratio("torch.ops.tgemm.mm")), fmt_ratio(r.ratio("tgemm.mm"))])
     title = ("latency: host time per eager call in us (back-to-back calls, not waiting for the "
-             "GPU); ratios are host time over torch.mm's (above 1: more host time)")
+             "GPU); ratios are host time over torch.mm's (above 1: more host time); fp8 rows: "
+             "torch.ops.tgemm.scaled_mm, tgemm.scaled_mm and torch._scaled_mm in those columns "
+             "(e4m3, tensorwise scales, bf16 out)")
     return Section(title, LATENCY_HEADERS, rows, frozenset({"name", "dtype"}),
                    _issues((r.label(), r.error, "") for r in results))
 
@@ -385,11 +388,13 @@ def summary_lines(results: RunResults) -> list[str]:
         if not r.error:
             us = {impl: _amount(r.host_us.get(impl, math.nan), ".1f", "us")
                   for impl in ("tgemm.mm", "torch.ops.tgemm.mm", "torch.mm")}
+            fn, op, peer = (latency_name(impl, r.dtype)
+                            for impl in ("tgemm.mm", "torch.ops.tgemm.mm", "torch.mm"))
             lines.append(
-                f"latency {r.case.name} {r.dtype}, host time per call: tgemm.mm {us['tgemm.mm']}"
-                f" ({fmt_times(r.ratio('tgemm.mm'))} torch.mm), torch.ops.tgemm.mm "
+                f"latency {r.case.name} {r.dtype}, host time per call: {fn} {us['tgemm.mm']}"
+                f" ({fmt_times(r.ratio('tgemm.mm'))} {peer}), {op} "
                 f"{us['torch.ops.tgemm.mm']} ({fmt_times(r.ratio('torch.ops.tgemm.mm'))}), "
-                f"torch.mm {us['torch.mm']}")
+                f"{peer} {us['torch.mm']}")
     if results.e2e is not None:
         e = results.e2e
         lines.append(f"e2e: override step {_amount(e.override_ms, '.1f', 'ms')} vs plain "

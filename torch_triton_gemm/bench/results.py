@@ -104,6 +104,14 @@ class GemmResult:
 
 
 LATENCY_IMPLS = ("torch.ops.tgemm.mm", "tgemm.mm", "torch.mm")
+# fp8 latency rows time the scaled_mm path in the same three roles, kept under those keys.
+SCALED_LATENCY_NAMES = {"torch.ops.tgemm.mm": "torch.ops.tgemm.scaled_mm",
+                        "tgemm.mm": "tgemm.scaled_mm", "torch.mm": "torch._scaled_mm"}
+
+
+def latency_name(impl: str, dtype: str) -> str:
+    """What a latency row of ``dtype`` timed under the key ``impl`` (one of LATENCY_IMPLS)."""
+    return SCALED_LATENCY_NAMES[impl] if dtype == "fp8" else impl
 
 
 @dataclass

@@ -30,7 +30,8 @@ SUITE_DESCRIPTIONS = {
     "odd": "999x1003x1007, 1500^3, 2047x2049x2051, 3000^3",
     "deepk": "few output tiles, long K: 128x128x32768, 512x512x65536, 1024x1024x16384",
     "shallowk": "short K: 8192x8192x128, 32768x4096x32",
-    "latency": "host time per eager call (64^3, M=1 qkv): torch.ops.tgemm.mm, tgemm.mm, torch.mm",
+    "latency": "host time per eager call (64^3, M=1 qkv): torch.ops.tgemm.mm, tgemm.mm, "
+               "torch.mm; and the fp8 scaled_mm path against torch._scaled_mm",
     "e2e": "step time of Llama blocks (bf16, fwd+bwd), plain vs override()",
     "coldstart": "first training step of the drop-in example's model in fresh processes",
     "grouped": "grouped_mm vs torch._grouped_mm and a torch.mm loop (Mixtral, DeepSeek-like)",
