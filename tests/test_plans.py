@@ -730,7 +730,10 @@ def test_pitch_alignment():
     # Triton knows unit strides and multiples of 16 elements itself; symbolic strides get none.
     for stride in (0, 1, 16, 48, 4096):
         assert tuning.pitch_alignment(stride, bf16) == 1
-    assert tuning.pitch_alignment(torch.SymInt, bf16) == 1  # not an int
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    symbolic = ShapeEnv().create_unbacked_symint() * 8 + 200  # traced: no guard on it
+    assert tuning.pitch_alignment(symbolic, bf16) == 1
     # The largest power of two dividing the stride, up to one 16-byte vector.
     assert [tuning.pitch_alignment(s, bf16) for s in (200, 204, 202, 201, 4360)] == [8, 4, 2, 1, 8]
     assert [tuning.pitch_alignment(s, fp32) for s in (200, 204, 202, 8)] == [4, 4, 2, 4]
