@@ -58,9 +58,11 @@ class MMPlan:
     # (True), never (False: the portable kernel reads them), or by operand size (None; see
     # ops/mm.py's PAD_MIN_SIZE).
     pad: bool | None = None
-    # K splits of the portable kernel finish their tiles themselves (the last split of a tile
-    # adds the partials: one launch, no reduction kernel; see kernels/matmul.py); other
-    # kernels ignore it.
+    # K splits finish their tiles themselves (the last split of a tile adds the partials: one
+    # launch, no reduction kernel; see kernels/matmul.py), on the portable and the persistent
+    # TMA kernel, up to FIXUP_MAX_SPLITS splits; others keep the reduction. Measured 0.81x the
+    # reduction's speed on an H100 (README), so the planner picks it only once its constants
+    # cost it; tuning may still find it faster for a shape.
     split_fixup: bool = False
 
 
@@ -638,6 +640,14 @@ def pitch_alignment(stride: Any, element_size: int) -> int:
     while align < vector and stride % (2 * align) == 0:
         align *= 2
     return align
+
+
+def loads_wide(pitch: int, element_size: int, hinted: bool) -> bool:
+    """Whether the portable kernel loads an operand of this pitch in full 16-byte vectors: a
+    multiple of 16 elements (Triton specialises on it), or, with pitch hints on (``hinted``),
+    a multiple of a 16-byte vector's worth of elements."""
+    return pitch % 16 == 0 or (
+        hinted and pitch_alignment(pitch, element_size) * element_size >= 16)
 
 
 @functools.cache

@@ -86,9 +86,8 @@ def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
     for t in (a, b):
         rows, cols = t.shape
         for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
-            if size > 1 and pitch != 1 and pitch % 16 and not (
-                    hinted and tuning.pitch_alignment(pitch, t.element_size())
-                    * t.element_size() >= 16):
+            if size > 1 and pitch != 1 and not tuning.loads_wide(pitch, t.element_size(),
+                                                                   hinted):
                 narrow = True
     return narrow
 
