@@ -764,17 +764,24 @@ def test_pitch_hints_in_the_portable_launch(monkeypatch, device, hints):
 
 
 @pytest.mark.parametrize("hints", [False, True])
-def test_the_plan_model_sees_hinted_pitches_as_wide(monkeypatch, hints):
-    """With the hints, a pitch of a 16-byte vector's worth of elements loads as wide as a
-    multiple of 16 elements: the plan model costs it so; a pitch of 4 elements stays narrow."""
+def test_the_plan_model_sees_pitches_off_multiples_of_16_as_narrow(monkeypatch, hints):
+    """A pitch that is not a multiple of 16 elements is narrow for the plan model with or
+    without the hints (hinted portable loads still trail TMA on such pitches)."""
     monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1" if hints else "0")
     w = torch.empty((64, 200), dtype=torch.bfloat16)
-    assert planner._narrow(torch.empty((8, 200), dtype=torch.bfloat16), w.t()) is not hints
+    assert planner._narrow(torch.empty((8, 200), dtype=torch.bfloat16), w.t())
     assert planner._narrow(torch.empty((8, 204), dtype=torch.bfloat16), w.t())
     assert not planner._narrow(torch.empty((8, 208), dtype=torch.bfloat16),
                                torch.empty((64, 208), dtype=torch.bfloat16).t())
     assert planner._narrow(torch.empty((8, 200), dtype=torch.float32),
-                           torch.empty((64, 200), dtype=torch.float32).t()) is not hints
+                           torch.empty((64, 200), dtype=torch.float32).t())
+
+
+def test_pitch_hints_are_on_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("TORCH_TRITON_GEMM_PITCH_HINTS", raising=False)
+    assert tuning.pitch_hints_enabled()
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "0")
+    assert not tuning.pitch_hints_enabled()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float8_e4m3fn], ids=str)
