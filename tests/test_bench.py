@@ -1241,3 +1241,49 @@ def test_plan_sweep_fixup_ab_pairs_the_planners_split_plans():
     for plan in (tuning.MMPlan("portable", tile), tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tile),
                  tuning.MMPlan("portable", tile, split_k=tuning.FIXUP_MAX_SPLITS + 1)):
         assert plans.with_fixup_twin([plan]) == [plan]
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+def test_plan_sweep_rounds_alternate_and_keep_each_best(monkeypatch, rounds):
+    """cuBLAS and the plans timed ``rounds`` times in alternating order; each keeps its best;
+    the error is measured once, from a poisoned output."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    if not torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("launches kernels: a GPU or Triton's interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    real_problem = plans.problem
+    monkeypatch.setattr(plans, "problem", lambda case, dtype: real_problem(case, dtype, device))
+    order: list[str] = []
+    times = iter(float(t) for t in (9, 7, 8, 5, 6, 4, 3, 2, 1, 9, 9, 9))
+
+    def fake_kernel_us(fn, args, rep_ms):  # type: ignore[no-untyped-def]
+        order.append("cublas" if getattr(fn, "__name__", "") == "peer" else "plan")
+        return next(times)
+
+    monkeypatch.setattr(plans, "kernel_us", fake_kernel_us)
+    tile = tuning.TileConfig(16, 32, 128, 1, 4, 2)
+    candidates = [tuning.MMPlan("portable", tile), tuning.MMPlan("portable", tile, split_k=2)]
+    rows = list(plans.time_case(Case("mm", "x", 24, 40, 64, "row", "col"), "fp16", candidates,
+                                True, 1.0, rounds))
+    expected_order = {1: ["cublas", "plan", "plan"],
+                      2: ["cublas", "plan", "plan", "plan", "plan", "cublas"],
+                      3: ["cublas", "plan", "plan", "plan", "plan", "cublas",
+                          "cublas", "plan", "plan"]}[rounds]
+    assert order == expected_order
+    timed = [9, 7, 8, 5, 6, 4, 3, 2, 1][:len(order)]
+    cublas = min(t for t, who in zip(timed, order) if who == "cublas")
+    # Per plan: round 0 in order, round 1 reversed, round 2 in order again.
+    plan_times = [t for t, who in zip(timed, order) if who == "plan"]
+    firsts, seconds = [plan_times[0]], [plan_times[1]]
+    if rounds >= 2:
+        seconds.append(plan_times[2])
+        firsts.append(plan_times[3])
+    if rounds == 3:
+        firsts.append(plan_times[4])
+        seconds.append(plan_times[5])
+    for row, best in zip(rows, (min(firsts), min(seconds))):
+        assert row["us"] == best and row["cublas_us"] == cublas
+        assert row["ratio"] == round(cublas / best, 4)
+        assert float(row["rel_err"]) < 1e-2
