@@ -155,3 +155,51 @@ def test_splits_that_finish_their_tiles_are_costed_once_fitted(h100, monkeypatch
     assert not plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False).split_fixup
     monkeypatch.setattr(plan_model, "H100_COSTS", costs)
     assert plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False).split_fixup
+
+
+def _timed(plan: tuning.MMPlan, m: int, n: int, k: int, narrow: bool, hinted: bool,
+           costs: plan_model.Costs) -> fit.Timed:
+    us = plan_model.predict_us(costs, plan, m, n, k, 2, 2, True, narrow)
+    return fit.Timed(("x", m, n, k), m, n, k, 2, True, plan, narrow, False, us, 1.0, False,
+                     hinted)
+
+
+def test_hinted_narrow_timings_replace_unhinted_ones():
+    """Narrow-pitch timings of the portable kernel made without pitch hints are left out of a
+    fit once hinted ones are there; every other row stays."""
+    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+    costs = plan_model.H100_COSTS
+    rows = [_timed(tuning.MMPlan("portable", tile), 64, 64, 200, True, False, costs),
+            _timed(tuning.MMPlan("portable", tile), 64, 64, 256, False, False, costs),
+            _timed(tuning.MMPlan("tma", tile), 64, 64, 200, True, False, costs)]
+    assert fit.current_kernels(rows) == rows  # no hinted timings: nothing is stale
+    hinted = _timed(tuning.MMPlan("portable", tile), 64, 64, 200, True, True, costs)
+    assert fit.current_kernels([*rows, hinted]) == [rows[1], rows[2], hinted]
+
+
+def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():
+    """Timings made from known constants for the narrow portable tiles: a refit of that cost
+    kernel alone predicts them again, and leaves every global constant and other tile as
+    they were."""
+    pytest.importorskip("scipy")
+    base = plan_model.H100_COSTS
+    truth = {key: plan_model.TileCost(cost.launch_us * 1.3, cost.step_us * 0.5,
+                                      cost.tile_us * 0.8)
+             for key, cost in base.tiles.items() if key[0] == "portable-narrow"}
+    true_costs = dataclasses.replace(base, tiles={**base.tiles, **truth})
+    tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
+             for (_, bm, bn, warps, stages) in truth if bm <= 64 and bn <= 128]
+    rows = [_timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k, True, True,
+                   true_costs)
+            for tile in tiles for split in (1, 4)
+            for m, n, k in ((64, 200, 488), (1000, 1000, 1000), (8, 3000, 2296),
+                            (4000, 64, 184), (300, 300, 6000), (2048, 1000, 72))]
+    refit = fit.fit(rows, 132, base)
+    assert refit.launch_us == base.launch_us and refit.machine == base.machine
+    assert refit.exchange_us == base.exchange_us
+    for key, cost in base.tiles.items():
+        if key[0] != "portable-narrow":
+            assert refit.tiles[key] == cost
+    for r in rows:
+        predicted = plan_model.predict_us(refit, r.plan, r.m, r.n, r.k, 2, 2, True, True)
+        assert abs(math.log(predicted / r.us)) < 0.05, (r.plan, r.m, r.n, r.k)

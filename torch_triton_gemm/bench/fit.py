@@ -18,8 +18,9 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .. import plan_model, tuning
 
@@ -44,6 +45,8 @@ class Timed:
     us: float
     cublas_us: float
     heuristic: bool
+    # Timed with pitch hints (``tuning.pitch_hints_enabled``; CSVs without the column: not).
+    pitch_hints: bool = False
 
 
 def read(paths: Sequence[str]) -> list[Timed]:
@@ -65,13 +68,26 @@ def read(paths: Sequence[str]) -> list[Timed]:
                          r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
                 rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
                                   1 if r["dtype"].startswith("fp8") else 2,
-                                  r["aligned"] == "True", plan, _narrow(r),
+                                  r["aligned"] == "True", plan, narrow_row(r),
                                   r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
-                                  float(r["cublas_us"]), r["heuristic"] == "True"))
+                                  float(r["cublas_us"]), r["heuristic"] == "True",
+                                  r.get("pitch_hints") == "True"))
     return rows
 
 
-def _narrow(r: dict[str, str]) -> bool:
+def current_kernels(rows: Sequence[Timed]) -> list[Timed]:
+    """``rows`` less the portable kernel's narrow-pitch timings made without pitch hints, where
+    the rows hold such timings made with them: the hints (on by default) change that kernel's
+    loads, so only hinted timings describe it."""
+    def stale(r: Timed) -> bool:
+        return r.plan.kernel == "portable" and r.narrow and not r.pitch_hints
+
+    if not any(r.plan.kernel == "portable" and r.narrow and r.pitch_hints for r in rows):
+        return list(rows)
+    return [r for r in rows if not stale(r)]
+
+
+def narrow_row(r: Mapping[str, Any]) -> bool:
     """Whether a CSV row's operands have a pitch that is not a multiple of 16 elements (the
     sweep's layouts: a row-major or transposed, b nn.Linear's W.t() or row-major, padded)."""
     m, n, k = int(r["M"]), int(r["N"]), int(r["K"])
@@ -107,13 +123,18 @@ def costs_from(vector: Sequence[float], keys: Sequence[tuple[str, int, int, int,
                             plan_model.Machine(num_sms, g["bytes_per_us"], g["sm_bytes_per_us"]))
 
 
-def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
+def fit(rows: Sequence[Timed], num_sms: int,
+        fixed: plan_model.Costs | None = None) -> plan_model.Costs:
     """Least-squares fit of the log predicted time to the log measured time, on features of
     each timed plan computed once (``plan_model.plan_work``): the same sum as
-    ``plan_model.predict_us``, in numpy."""
+    ``plan_model.predict_us``, in numpy. With ``fixed``, only the tiles of ``rows`` are
+    fitted: the global constants are ``fixed``'s, and so are its other tiles."""
     import numpy as np
     from scipy.optimize import least_squares
 
+    if fixed is not None:
+        # Plans that no fixed constant costs are left out.
+        rows = [r for r in rows if "fixup" in fixed.launch_us or not r.plan.split_fixup]
     keys = _tile_keys(rows)
     index = {key: i for i, key in enumerate(keys)}
     works = [plan_model.plan_work(r.plan, r.m, r.n, r.k, num_sms) for r in rows]
@@ -132,9 +153,14 @@ def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
     measured = np.log([r.us for r in rows])
     n_globals = len(GLOBALS)
 
+    held = None if fixed is None else np.array(_globals_of(fixed))
+
     def predict(vector: np.ndarray) -> np.ndarray:
-        g = np.exp(vector[:n_globals])
-        per_tile = np.exp(vector[n_globals:]).reshape(len(keys), len(PER_TILE))
+        if held is None:
+            g, vector = np.exp(vector[:n_globals]), vector[n_globals:]
+        else:
+            g = held
+        per_tile = np.exp(vector).reshape(len(keys), len(PER_TILE))
         launch, step, per = per_tile[tile, 0], per_tile[tile, 1], per_tile[tile, 2]
         compute = steps * step + tiles * per + exchanges * g[2]
         bandwidth = np.minimum(g[3], busy * g[4])
@@ -142,11 +168,26 @@ def fit(rows: Sequence[Timed], num_sms: int) -> plan_model.Costs:
         time += fixup * g[5] + fixup_bytes / 1024 * g[6]
         return time + copied * (g[1] + 2 * operand / g[3])
 
-    start = [math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
+    start = [] if fixed is not None else [
+        math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
     start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys)
     result = least_squares(lambda v: np.log(predict(v)) - measured, start, loss="soft_l1",
                            f_scale=0.1, max_nfev=2000)
-    return costs_from(result.x, keys, num_sms, bool(fixup.any()))
+    if fixed is None:
+        return costs_from(result.x, keys, num_sms, bool(fixup.any()))
+    fitted = costs_from([math.log(v) for v in _globals_of(fixed)] + list(result.x), keys,
+                        num_sms)
+    return plan_model.Costs(fixed.launch_us, fixed.exchange_us,
+                            {**fixed.tiles, **fitted.tiles}, fixed.machine)
+
+
+def _globals_of(costs: plan_model.Costs) -> list[float]:
+    """The global constants of ``costs`` in ``GLOBALS`` order (1 for fix-up constants that
+    ``costs`` lacks; no plan they would cost is fitted with them)."""
+    launch = costs.launch_us
+    return [launch["reduce"], launch["copy"], costs.exchange_us, costs.machine.bytes_per_us,
+            costs.machine.sm_bytes_per_us, launch.get("fixup", 1.0),
+            launch.get("fixup_per_kib", 1.0)]
 
 
 def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
@@ -208,13 +249,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fit", nargs="*", default=[], help="plan-sweep CSVs to fit on")
     parser.add_argument("--check", nargs="*", default=[], help="plan-sweep CSVs to judge on")
     parser.add_argument("--num-sms", type=int, default=132)
+    parser.add_argument("--refit", default=None, metavar="KERNEL",
+                        help="fit only the tiles of this cost kernel (plan_model.cost_kernel: "
+                             "portable, portable-narrow, portable-mcol, tma) on the fit files' "
+                             "rows of it; every other constant stays plan_model.H100_COSTS's")
     args = parser.parse_args(argv)
     costs = plan_model.H100_COSTS
     if args.fit:
-        costs = fit(read(args.fit), args.num_sms)
+        rows = current_kernels(read(args.fit))
+        if args.refit is not None:
+            costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
+        else:
+            costs = fit(rows, args.num_sms)
         print(costs_source(costs))
         print("fit set:")
-        check(costs, read(args.fit))
+        check(costs, rows)
     for path in args.check:
         print(f"check {path}:")
         check(costs, read([path]))

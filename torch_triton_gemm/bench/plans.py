@@ -37,7 +37,7 @@ import torch
 
 from .. import device as _device
 from .. import tuning
-from . import suites
+from . import fit, suites
 from .gemm import DTYPES, make_operands
 from .suites import Case, ScaledCase
 from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
@@ -46,7 +46,7 @@ FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pa
           "recipe", "accum", "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
           "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "split_fixup",
-          "heuristic",
+          "heuristic", "pitch_hints",
           "us", "cublas_us", "ratio", "rel_err", "error")
 
 
@@ -241,7 +241,8 @@ def time_case(case: AnyCase, dtype: str, plans: list[tuning.MMPlan], aligned: bo
     ref = p.reference if p.reference is not None else p.peer(*p.args).float()
     chosen = p.chosen()
     base = {**case.record(), "suite": case.suite, "name": case.name,
-            "dtype": "fp8" if p.scales is not None else dtype, "aligned": aligned}
+            "dtype": "fp8" if p.scales is not None else dtype, "aligned": aligned,
+            "pitch_hints": tuning.pitch_hints_enabled()}
     # Stream-K plans last: a plan's timing should not follow spin-waiting kernels.
     ordered = sorted(plans, key=lambda candidate: candidate.stream_k > 0)
     rows = [{**base, **_plan_fields(plan), "heuristic": plan == chosen} for plan in ordered]
@@ -312,6 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only shapes with at most N output columns")
     parser.add_argument("--max-flop", type=float, default=None, metavar="F",
                         help="only products of at most F floating-point operations (2*M*N*K)")
+    parser.add_argument("--narrow-only", action="store_true",
+                        help="only products with an operand pitch that is not a multiple of 16 "
+                             "elements")
+    parser.add_argument("--kernels", default=None,
+                        help="only plans of these kernels (comma-separated: portable, tma)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     parser.add_argument("--fixup-ab", action="store_true",
@@ -327,6 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:
         cases = [case for case in cases if 2 * case.m * case.n * case.k <= args.max_flop]
+    if args.narrow_only:
+        cases = [case for case in cases
+                 if isinstance(case, Case) and fit.narrow_row(case.record())]
     if args.recipes is not None:
         recipes = set(args.recipes.split(","))
         cases = [c for c in cases if not isinstance(c, ScaledCase) or c.recipe in recipes]
@@ -341,6 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
         jobs = [(c, d, aligned, with_fixup_twin(plans)) for c, d, aligned, plans in jobs]
+    if args.kernels is not None:
+        kernels = set(args.kernels.split(","))
+        jobs = [(c, d, aligned, [p for p in plans if p.kernel in kernels])
+                for c, d, aligned, plans in jobs]
     if args.no_stream_k:
         jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
                 for c, d, aligned, plans in jobs]
