@@ -152,7 +152,7 @@ constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATI
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
                  BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1)
-portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1)
+portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1)
 """
 
 _FIXUP_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
@@ -756,11 +756,28 @@ def test_pitch_hints_in_the_portable_launch(monkeypatch, device, hints):
     meta = launcher.prepare_launch(a, b, None, out, "none", False, portable, None).launches[0][1]
     aligns = tuple(meta[f] for f in ("A_M_ALIGN", "A_K_ALIGN", "B_K_ALIGN", "B_N_ALIGN"))
     assert aligns == ((4, 1, 1, 4) if hints else (1, 1, 1, 1))
+    assert (meta["M_ALIGN"], meta["N_ALIGN"]) == (1, 1)  # neither operand contiguous along M, N
     x = randn((k, 44), torch.float16, device)[:, :40].t()  # A M-contiguous: pitch 44
     w = randn((k, 200), torch.float16, device)[:, :96]  # B row-major, pitch 200
     meta = launcher.prepare_launch(x, w, None, out, "none", False, portable, None).launches[0][1]
     aligns = tuple(meta[f] for f in ("A_M_ALIGN", "A_K_ALIGN", "B_K_ALIGN", "B_N_ALIGN"))
     assert aligns == ((1, 4, 8, 1) if hints else (1, 1, 1, 1))
+    # M = 40 (not specialised: 8 is all that is known), N = 96 (Triton knows multiples of 16).
+    assert (meta["M_ALIGN"], meta["N_ALIGN"]) == ((8, 1) if hints else (1, 1))
+    w = randn((k, 200), torch.float16, device)[:, :36]  # N = 36: 4
+    meta = launcher.prepare_launch(x, w, None, out[:, :36], "none", False, portable,
+                                   None).launches[0][1]
+    assert (meta["M_ALIGN"], meta["N_ALIGN"]) == ((8, 4) if hints else (1, 1))
+
+
+def test_size_alignment():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert [tuning.size_alignment(s, False) for s in (0, 1, 2, 3, 40, 36, 48, 4096, 50)] == [
+        1, 1, 2, 1, 8, 4, 16, 16, 2]
+    # Specialised sizes: Triton knows multiples of 16 itself.
+    assert [tuning.size_alignment(s, True) for s in (40, 48, 4096, 24)] == [8, 1, 1, 8]
+    assert tuning.size_alignment(ShapeEnv().create_unbacked_symint() * 8, False) == 1
 
 
 @pytest.mark.parametrize("hints", [False, True])
@@ -807,6 +824,22 @@ def test_every_narrow_pitch_matches_float64_with_hints(monkeypatch, device, dtyp
                         name, pad, a_layout, b_layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_operands_contiguous_along_m_or_n_match_float64_with_size_hints(monkeypatch, device,
+                                                                          dtype):
+    """A contiguous along M and B along N, with M and N multiples of 16, 8, 4 and 2 but not of
+    the tile (rows and columns wrap inside a tile), through unsplit, split and tail-split
+    portable plans with the hints on."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1")
+    k = 72
+    for m, n in ((48, 40), (40, 36), (36, 50), (50, 24), (8, 8), (112, 18)):
+        a = randn((k, m), dtype, device).t()  # x.t(): contiguous along M
+        b = randn((k, n), dtype, device)  # row-major [K, N]: contiguous along N
+        for name in ("portable", "portable-split3", "portable-tail-split3"):
+            out = _run(PLANS[name], a, b)
+            assert rel_error(out, reference(a, b)) <= tolerance(out.dtype, dtype), (name, m, n)
+
+
 _PITCH_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
 # Pitches stride_am and stride_bn not specialised as multiples of 16 (a narrow launch).
 for align in (1, 4, 8):
@@ -828,3 +861,34 @@ def test_pitch_hints_give_narrow_pitches_vector_copies_for_hopper():
 
     lines = _run_without_interpreter(_PITCH_COMPILE_SCRIPT).splitlines()
     assert lines == ["1 -", "4 8", "8 16"]
+
+
+_SIZE_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+# A contiguous along M (x.t()) and B along N (row-major [K, N], N not a multiple of 16): the
+# wrapped rows / columns are contiguous only as far as the size hints say.
+shared = {k: v for k, v in constants.items() if k not in ("stride_ak", "stride_bk")}
+layouts = {"a": (dict(stride_am=1, stride_bk=1), ["stride_ak", "stride_bn", "N"], "M_ALIGN"),
+           "b": (dict(stride_ak=1, stride_bn=1), ["stride_am", "stride_bk"], "N_ALIGN")}
+for operand, (strides, aligned, hint) in layouts.items():
+    for align in (1, 8):
+        compiled = compile_for(mm_kernel, pointers,
+                               {**shared, **portable, **strides, hint: align},
+                               ["a_ptr", "b_ptr", "c_ptr", "stride_cm", "K", *aligned],
+                               num_warps=4, num_stages=4)
+        print(operand, align, len(re.findall(r"ld\\.global", compiled.asm["ptx"])))
+"""
+
+
+def test_size_hints_give_operands_contiguous_along_m_or_n_vector_copies_for_hopper():
+    """The sm_90 build of the portable kernel, A contiguous along M (M not specialised) or B
+    along N (N not a multiple of 16): without the size hint its tile loads element by element
+    (dozens of scalar global loads); with M or N known as a multiple of 8, the pipeline's
+    cp.async copies take it, and only the masked remainder step loads directly."""
+    from test_mm import _run_without_interpreter
+
+    counts = {}
+    for line in _run_without_interpreter(_SIZE_COMPILE_SCRIPT).splitlines():
+        operand, align, loads = line.split()
+        counts[operand, int(align)] = int(loads)
+    for operand in ("a", "b"):
+        assert counts[operand, 1] >= 4 * counts[operand, 8] > 0, counts

@@ -643,16 +643,30 @@ def pitch_alignment(stride: Any, element_size: int) -> int:
     return align
 
 
+def size_alignment(size: Any, specialised: bool) -> int:
+    """The power of two (up to 16) by which a GEMM size is known to divide, for the portable
+    kernel's wrapped rows or columns (``offs % size``) along which an operand is contiguous:
+    with it they stay contiguous in runs that vector loads can take. 1 where Triton knows as
+    much itself (``specialised`` sizes that are multiples of 16), for sizes of 0 or 1 and for
+    symbolic sizes (traced launches, which must not guard on them)."""
+    if type(size) is not int or size <= 1 or (specialised and size % 16 == 0):
+        return 1
+    align = 1
+    while align < 16 and size % (2 * align) == 0:
+        align *= 2
+    return align
+
+
 @functools.cache
 def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
                 stream_k: bool = False, fixup_splits: int = 0,
-                aligns: tuple[int, int, int, int] = (1, 1, 1, 1)) -> Mapping[str, Any]:
+                aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1)) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
     themselves, and (``aligns``, the portable kernel's) the ``pitch_alignment`` of stride_am,
-    stride_ak, stride_bk and stride_bn; read-only."""
+    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -663,7 +677,8 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
     else:
-        meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"] = aligns
+        (meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"],
+         meta["M_ALIGN"], meta["N_ALIGN"]) = aligns
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1

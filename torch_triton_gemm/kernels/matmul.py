@@ -168,6 +168,7 @@ def mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
     A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
+    M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -178,7 +179,10 @@ def mm_kernel(
     # specialised on: a serving loop's every batch size reuses one compiled kernel. SPLIT_FIXUP:
     # the last of a tile's SPLIT_K splits to finish adds the partials and runs the epilogue
     # (finish_split_tile), counting in locks_ptr. (sk_tiles serves the TMA kernel's stream-K,
-    # which this kernel does not run.)
+    # which this kernel does not run.) M_ALIGN / N_ALIGN: powers of two dividing M / N (1:
+    # nothing known beyond Triton's own specialisation), so that the wrapped rows (columns)
+    # stay contiguous in runs of that many and an operand contiguous along M (N) loads in
+    # vectors (tuning.size_alignment).
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
                                      SPLIT)
@@ -188,6 +192,10 @@ def mm_kernel(
     k_start = widen(k_start, INDEX_64)
     rows = offs_m % M
     cols = offs_n % N
+    if M_ALIGN > 1:
+        rows = tl.max_contiguous(tl.multiple_of(rows, M_ALIGN), M_ALIGN)
+    if N_ALIGN > 1:
+        cols = tl.max_contiguous(tl.multiple_of(cols, N_ALIGN), N_ALIGN)
     acc = k_loop(
         a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start, k_len,
         stride_am, stride_ak, stride_bk, stride_bn,

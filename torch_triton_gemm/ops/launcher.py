@@ -146,9 +146,14 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     else:
         strides, flags = (stride_am, stride_ak, stride_bk, stride_bn), {}
         kernel = mm_kernel
-    aligns = (1, 1, 1, 1)
+    aligns = (1, 1, 1, 1, 1, 1)
     if kernel is mm_kernel and tuning.pitch_hints_enabled():
-        aligns = tuple(tuning.pitch_alignment(stride, a.element_size()) for stride in strides)
+        # M is not specialised on (one kernel for every batch size); N is, but only on
+        # multiples of 16. Only an operand contiguous along M (N) gets a size hint, so other
+        # layouts compile no more variants.
+        aligns = (*(tuning.pitch_alignment(stride, a.element_size()) for stride in strides),
+                  tuning.size_alignment(M, False) if _unit(stride_am) else 1,
+                  tuning.size_alignment(N, True) if _unit(stride_bn) else 1)
 
     def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
@@ -506,6 +511,11 @@ class _DirectLaunches(NamedTuple):
     workspace_shape: tuple[int, ...] | None
     locks_shape: tuple[int] | None
     tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
+
+
+def _unit(stride: Any) -> bool:
+    """A stride known to be 1 (a symbolic one is not asked: that would guard on it)."""
+    return type(stride) is int and stride == 1
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
