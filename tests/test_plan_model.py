@@ -158,23 +158,33 @@ def test_splits_that_finish_their_tiles_are_costed_once_fitted(h100, monkeypatch
 
 
 def _timed(plan: tuning.MMPlan, m: int, n: int, k: int, narrow: bool, hinted: bool,
-           costs: plan_model.Costs) -> fit.Timed:
-    us = plan_model.predict_us(costs, plan, m, n, k, 2, 2, True, narrow)
-    return fit.Timed(("x", m, n, k), m, n, k, 2, True, plan, narrow, False, us, 1.0, False,
-                     hinted)
+           costs: plan_model.Costs, a_m_contiguous: bool = False,
+           size_hinted: bool = False) -> fit.Timed:
+    us = plan_model.predict_us(costs, plan, m, n, k, 2, 2, True, narrow, a_m_contiguous)
+    return fit.Timed(("x", m, n, k), m, n, k, 2, True, plan, narrow, a_m_contiguous, us, 1.0,
+                     False, hinted, size_hinted)
 
 
-def test_hinted_narrow_timings_replace_unhinted_ones():
-    """Narrow-pitch timings of the portable kernel made without pitch hints are left out of a
-    fit once hinted ones are there; every other row stays."""
-    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+def test_hinted_timings_replace_the_ones_the_hints_made_stale():
+    """The portable kernel's narrow-pitch timings made without pitch hints are left out of a
+    fit once pitch-hinted ones are there; its narrow and M-contiguous ones made without size
+    hints, once size-hinted ones are there; every other row stays."""
+    portable = tuning.MMPlan("portable", tuning.TileConfig(64, 64, 64, 8, 4, 5))
+    tma = tuning.MMPlan("tma", tuning.TileConfig(64, 64, 64, 8, 4, 5))
     costs = plan_model.H100_COSTS
-    rows = [_timed(tuning.MMPlan("portable", tile), 64, 64, 200, True, False, costs),
-            _timed(tuning.MMPlan("portable", tile), 64, 64, 256, False, False, costs),
-            _timed(tuning.MMPlan("tma", tile), 64, 64, 200, True, False, costs)]
+    narrow = _timed(portable, 64, 64, 200, True, False, costs)
+    wide = _timed(portable, 64, 64, 256, False, False, costs)
+    mcol = _timed(portable, 64, 64, 256, False, False, costs, a_m_contiguous=True)
+    tma_narrow = _timed(tma, 64, 64, 200, True, False, costs)
+    rows = [narrow, wide, mcol, tma_narrow]
     assert fit.current_kernels(rows) == rows  # no hinted timings: nothing is stale
-    hinted = _timed(tuning.MMPlan("portable", tile), 64, 64, 200, True, True, costs)
-    assert fit.current_kernels([*rows, hinted]) == [rows[1], rows[2], hinted]
+    pitch = _timed(portable, 64, 64, 200, True, True, costs)
+    mcol_pitch = _timed(portable, 64, 64, 256, False, True, costs, a_m_contiguous=True)
+    assert fit.current_kernels([*rows, pitch, mcol_pitch]) == [
+        wide, mcol, tma_narrow, pitch, mcol_pitch]
+    sized = _timed(portable, 64, 64, 256, False, True, costs, a_m_contiguous=True,
+                   size_hinted=True)
+    assert fit.current_kernels([*rows, pitch, mcol_pitch, sized]) == [wide, tma_narrow, sized]
 
 
 def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():

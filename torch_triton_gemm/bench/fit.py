@@ -45,8 +45,10 @@ class Timed:
     us: float
     cublas_us: float
     heuristic: bool
-    # Timed with pitch hints (``tuning.pitch_hints_enabled``; CSVs without the column: not).
+    # Timed with pitch hints, and with size hints (both ``tuning.pitch_hints_enabled``; CSVs
+    # without the column: not).
     pitch_hints: bool = False
+    size_hints: bool = False
 
 
 def read(paths: Sequence[str]) -> list[Timed]:
@@ -71,20 +73,23 @@ def read(paths: Sequence[str]) -> list[Timed]:
                                   r["aligned"] == "True", plan, narrow_row(r),
                                   r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
                                   float(r["cublas_us"]), r["heuristic"] == "True",
-                                  r.get("pitch_hints") == "True"))
+                                  r.get("pitch_hints") == "True", r.get("size_hints") == "True"))
     return rows
 
 
 def current_kernels(rows: Sequence[Timed]) -> list[Timed]:
-    """``rows`` less the portable kernel's narrow-pitch timings made without pitch hints, where
-    the rows hold such timings made with them: the hints (on by default) change that kernel's
-    loads, so only hinted timings describe it."""
-    def stale(r: Timed) -> bool:
-        return r.plan.kernel == "portable" and r.narrow and not r.pitch_hints
+    """``rows`` less the portable kernel's timings that today's hints (on by default) make
+    stale, where the rows hold timings made with them: pitch hints change its loads of narrow
+    pitches; size hints, its loads of an A contiguous along M and of a B contiguous along a
+    narrow N (such pitches are narrow too). Only timings with the hints describe those."""
+    def portable(r: Timed) -> bool:
+        return r.plan.kernel == "portable" and (r.narrow or r.a_m_contiguous)
 
-    if not any(r.plan.kernel == "portable" and r.narrow and r.pitch_hints for r in rows):
-        return list(rows)
-    return [r for r in rows if not stale(r)]
+    if any(portable(r) and r.size_hints for r in rows):
+        return [r for r in rows if not (portable(r) and not r.size_hints)]
+    if any(portable(r) and r.narrow and r.pitch_hints for r in rows):
+        return [r for r in rows if not (portable(r) and r.narrow and not r.pitch_hints)]
+    return list(rows)
 
 
 def narrow_row(r: Mapping[str, Any]) -> bool:

@@ -46,7 +46,7 @@ FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pa
           "recipe", "accum", "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
           "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "split_fixup",
-          "heuristic", "pitch_hints",
+          "heuristic", "pitch_hints", "size_hints",
           "us", "cublas_us", "ratio", "rel_err", "error")
 
 
@@ -242,7 +242,10 @@ def time_case(case: AnyCase, dtype: str, plans: list[tuning.MMPlan], aligned: bo
     chosen = p.chosen()
     base = {**case.record(), "suite": case.suite, "name": case.name,
             "dtype": "fp8" if p.scales is not None else dtype, "aligned": aligned,
-            "pitch_hints": tuning.pitch_hints_enabled()}
+            # Pitch and size hints: one switch (rows of CSVs made before the size hints
+            # existed have no size_hints column).
+            "pitch_hints": tuning.pitch_hints_enabled(),
+            "size_hints": tuning.pitch_hints_enabled()}
     # Stream-K plans last: a plan's timing should not follow spin-waiting kernels.
     ordered = sorted(plans, key=lambda candidate: candidate.stream_k > 0)
     rows = [{**base, **_plan_fields(plan), "heuristic": plan == chosen} for plan in ordered]
@@ -316,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--narrow-only", action="store_true",
                         help="only products with an operand pitch that is not a multiple of 16 "
                              "elements")
+    parser.add_argument("--layouts", default=None,
+                        help="only products with one of these operand layouts (comma-separated: "
+                             "a-row, a-col (x.t()), b-col (W.t()), b-row)")
     parser.add_argument("--kernels", default=None,
                         help="only plans of these kernels (comma-separated: portable, tma)")
     parser.add_argument("--chosen-only", action="store_true",
@@ -336,6 +342,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.narrow_only:
         cases = [case for case in cases
                  if isinstance(case, Case) and fit.narrow_row(case.record())]
+    if args.layouts is not None:
+        layouts = set(args.layouts.split(","))
+        cases = [case for case in cases if isinstance(case, Case) and (
+            f"a-{case.a_layout}" in layouts or f"b-{case.b_layout}" in layouts)]
     if args.recipes is not None:
         recipes = set(args.recipes.split(","))
         cases = [c for c in cases if not isinstance(c, ScaledCase) or c.recipe in recipes]
