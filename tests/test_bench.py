@@ -1287,3 +1287,51 @@ def test_plan_sweep_rounds_alternate_and_keep_each_best(monkeypatch, rounds):
         assert row["us"] == best and row["cublas_us"] == cublas
         assert row["ratio"] == round(cublas / best, 4)
         assert float(row["rel_err"]) < 1e-2
+
+
+class _FakeEvent:
+    """A CUDA event on a fake stream: records its place in the log and the GPU clock."""
+
+    def __init__(self, log: list[str], clock: list[float], **_: object) -> None:
+        self.log, self.clock = log, clock
+
+    def record(self) -> None:
+        self.log.append("record")
+        self.at = self.clock[0]
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return end.at - self.at
+
+
+@pytest.mark.parametrize("queue_ahead", [False, True])
+def test_kernel_only_timing_queues_its_batches_behind_a_spin(monkeypatch, queue_ahead):
+    """Kernel-only timing: one spinning kernel after the warm-up and before the first timed
+    batch's start event (long enough for the host to queue every batch, capped); eager timing
+    none. The median batch time per call comes back either way."""
+    log: list[str] = []
+    clock = [0.0]
+    sleeps: list[int] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: _FakeEvent(log, clock, **kw))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles),
+                                                              log.append("sleep")))
+
+    def batch() -> None:
+        log.append("batch")
+        clock[0] += 0.5  # ms
+
+    per_call = timing.time_batches(batch, 10, warmup_ms=1.0, rep_ms=4.0, queue_ahead=queue_ahead)
+    assert per_call == pytest.approx(0.05)
+    if not queue_ahead:
+        assert sleeps == []
+        return
+    assert len(sleeps) == 1
+    timed = log[log.index("sleep") + 1:]
+    assert timed[0] == "record" and timed.count("batch") == max(timing.MIN_BATCHES, 8)
+    assert log[log.index("sleep") - 1] == "batch"  # after the warm-up's batches
+    batches = timed.count("batch")
+    expected = min(batches * timing.QUEUE_AHEAD_PER_BATCH_S, timing.QUEUE_AHEAD_MAX_S)
+    assert sleeps[0] == int(expected * timing.SLEEP_CYCLES_PER_S)

@@ -6,8 +6,9 @@ Two timings per implementation, from the same back-to-back calls:
   back to back without synchronising, so a call costs whichever is longer, the host's time to
   issue it or the GPU's time to run it: what eager PyTorch code sees.
 - kernel-only: the same batch captured in a CUDA graph and replayed. The host launches one
-  graph per batch, so the time is the GPU's alone (what ``torch.compile(mode="reduce-overhead")``
-  and CUDA-graph serving see).
+  graph per batch, queued behind a spinning kernel so that the GPU never waits for it, so the
+  time is the GPU's alone (what ``torch.compile(mode="reduce-overhead")`` and CUDA-graph
+  serving see).
 
 Calls cycle through copies of the operands spanning 256 MB, so that each call reads operands
 that are not in L2. A batch lasts about 1 ms (at most ``max_calls`` calls): short enough to
@@ -73,10 +74,25 @@ def _elapsed_ms(run: Callable[[], Any]) -> float:
     return start.elapsed_time(end)
 
 
+# Kernel-only timing queues every timed batch behind a spinning kernel first (see
+# time_batches): about this long per batch (the host's cost of a replay and two event records,
+# with room to spare), at most QUEUE_AHEAD_MAX_S in all, at this many GPU clock cycles a second.
+QUEUE_AHEAD_PER_BATCH_S = 25e-6
+QUEUE_AHEAD_MAX_S = 0.05
+SLEEP_CYCLES_PER_S = 2.0e9
+
+
 def time_batches(run_batch: Callable[[], Any], calls: int, warmup_ms: float,
-                 rep_ms: float) -> float:
+                 rep_ms: float, queue_ahead: bool = False) -> float:
     """Median ms per call over back-to-back batches of ``calls`` calls, each batch bracketed by
-    CUDA events; about ``warmup_ms`` of batches first, then at least ``rep_ms`` of them."""
+    CUDA events; about ``warmup_ms`` of batches first, then at least ``rep_ms`` of them.
+
+    ``queue_ahead`` (kernel-only timing: ``run_batch`` replays a CUDA graph): the GPU first runs
+    a spinning kernel while the host queues the timed batches, so that the GPU never waits for
+    the host between them. Otherwise a host stall while the GPU drains a batch of
+    few-microsecond kernels (a busy thread, the OS) lands inside the next batch's events:
+    identical kernels then timed 2-9x slower in one run than in the next. (Eager timing must
+    not: there the host's time is part of what is measured.)"""
     # Not the first run: a CUDA graph's first replay uploads it (and a first launch may meet
     # the GPU at idle clocks), which made batches of a few-microsecond kernel look ten times
     # longer than they are and left too few warm-up and timed batches.
@@ -86,6 +102,10 @@ def time_batches(run_batch: Callable[[], Any], calls: int, warmup_ms: float,
         run_batch()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(max(MIN_BATCHES, math.ceil(rep_ms / batch_ms)))]
+    spin = getattr(torch.cuda, "_sleep", None)  # (private; absent: time as before)
+    if queue_ahead and spin is not None:
+        seconds = min(len(events) * QUEUE_AHEAD_PER_BATCH_S, QUEUE_AHEAD_MAX_S)
+        spin(int(seconds * SLEEP_CYCLES_PER_S))
     for start, end in events:
         start.record()
         run_batch()
@@ -175,7 +195,8 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
                 timings.notes.append(f"{name}: no CUDA graph ({short_error(exc)})")
                 torch.cuda.synchronize()
                 continue
-            kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms)
+            kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms,
+                                  queue_ahead=True)
             timings.kernel_ms[name] = min(timings.kernel_ms[name], kernel)
             del graph
     for table in (timings.eager_ms, timings.kernel_ms):
