@@ -636,11 +636,7 @@ def pitch_alignment(stride: Any, element_size: int) -> int:
     specialises on) and for symbolic strides (traced launches, which must not guard on them)."""
     if type(stride) is not int or stride <= 1 or stride % 16 == 0:
         return 1
-    vector = max(1, 16 // element_size)
-    align = 1
-    while align < vector and stride % (2 * align) == 0:
-        align *= 2
-    return align
+    return _power_of_two_dividing(stride, max(1, 16 // element_size))
 
 
 def size_alignment(size: Any, specialised: bool) -> int:
@@ -651,10 +647,12 @@ def size_alignment(size: Any, specialised: bool) -> int:
     symbolic sizes (traced launches, which must not guard on them)."""
     if type(size) is not int or size <= 1 or (specialised and size % 16 == 0):
         return 1
-    align = 1
-    while align < 16 and size % (2 * align) == 0:
-        align *= 2
-    return align
+    return _power_of_two_dividing(size, 16)
+
+
+def _power_of_two_dividing(n: int, cap: int) -> int:
+    """The largest power of two that divides ``n`` (> 0), at most ``cap``."""
+    return min(n & -n, cap)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from . import suites
 from .results import (
+    SCALED_LATENCY_NAMES,
     ColdStartResult,
     E2EResult,
     GemmResult,
@@ -159,7 +160,7 @@ def latency_section(results: Sequence[LatencyResult]) -> Section:
                      fmt_ratio(r.ratio("torch.ops.tgemm.mm")), fmt_ratio(r.ratio("tgemm.mm"))])
     title = ("latency: host time per eager call in us (back-to-back calls, not waiting for the "
              "GPU); ratios are host time over torch.mm's (above 1: more host time); fp8 rows: "
-             "torch.ops.tgemm.scaled_mm, tgemm.scaled_mm and torch._scaled_mm in those columns "
+             f"{', '.join(SCALED_LATENCY_NAMES.values())} in those columns "
              "(e4m3, tensorwise scales, bf16 out)")
     return Section(title, LATENCY_HEADERS, rows, frozenset({"name", "dtype"}),
                    _issues((r.label(), r.error, "") for r in results))

@@ -94,6 +94,11 @@ def launch_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: 
     run_launch(prepared, a, b, bias, out, scale_a, scale_b, traceable)
 
 
+def _unit(stride: Any) -> bool:
+    """A stride known to be 1 (a symbolic one is not asked: that would guard on it)."""
+    return type(stride) is int and stride == 1
+
+
 def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                    out: torch.Tensor, activation: str, traceable: bool,
                    plan: tuning.MMPlan, scales: GemmScales | None) -> PreparedLaunch:
@@ -511,11 +516,6 @@ class _DirectLaunches(NamedTuple):
     workspace_shape: tuple[int, ...] | None
     locks_shape: tuple[int] | None
     tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
-
-
-def _unit(stride: Any) -> bool:
-    """A stride known to be 1 (a symbolic one is not asked: that would guard on it)."""
-    return type(stride) is int and stride == 1
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
