@@ -285,6 +285,25 @@ def test_effective_split(k, block_k, asked, expected):
     assert tuning.effective_split(k, block_k, asked) == expected
 
 
+@pytest.mark.parametrize("k, split_k, whole_stages, split_stages", [
+    (20, 1, 1, None),     # one K step: unpipelined
+    (64, 1, 2, None),     # two steps: two buffers, not the tile's four
+    (1024, 1, 4, None),   # enough steps: the tile's depth
+    (32 * 24, 8, None, 3),  # 24 steps split 8 ways: 3 per split
+])
+def test_portable_pipeline_is_no_deeper_than_each_programs_k_loop(k, split_k, whole_stages,
+                                                                  split_stages, device):
+    tile = tuning.TileConfig(16, 32, 32, 1, 4, 4)
+    plan = tuning.MMPlan("portable", tile, split_k=split_k)
+    a, b = randn((20, k), torch.float16, device), randn((k, 24), torch.float16, device)
+    prepared = launcher.prepare_launch(a, b, None, a.new_empty((20, 24)), "none", False, plan,
+                                       None)
+    stages = [meta["num_stages"] for _, meta, _ in prepared.launches]
+    assert stages == [s for s in (whole_stages, split_stages) if s is not None]
+    assert rel_error(_run(plan, a, b), reference(a, b)) <= 1e-2
+    assert [tuning.pipeline_stages(4, steps) for steps in (0, 1, 3, 9)] == [1, 1, 3, 4]
+
+
 def test_heuristic_splits_k_only_when_the_output_cannot_fill_the_gpu(monkeypatch):
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     decode = tuning.heuristic_mm_plan(16, 4096, 4096, 2, True, 132)

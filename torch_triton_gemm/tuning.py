@@ -659,12 +659,15 @@ def _power_of_two_dividing(n: int, cap: int) -> int:
 def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
                 stream_k: bool = False, fixup_splits: int = 0,
-                aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1)) -> Mapping[str, Any]:
+                aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1),
+                k_steps: int | None = None) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
     themselves, and (``aligns``, the portable kernel's) the ``pitch_alignment`` of stride_am,
-    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; read-only."""
+    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; ``k_steps``
+    (the portable kernel's, when K is known): the BLOCK_K steps each program takes, which caps
+    its pipeline depth (``pipeline_stages``); read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -677,10 +680,20 @@ def launch_meta(plan: MMPlan, split: bool,
     else:
         (meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"],
          meta["M_ALIGN"], meta["N_ALIGN"]) = aligns
+        if k_steps is not None:
+            meta["num_stages"] = pipeline_stages(plan.tile.num_stages, k_steps)
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1
     return MappingProxyType(meta)
+
+
+def pipeline_stages(num_stages: int, k_steps: int) -> int:
+    """The portable kernel's pipeline depth for a program of ``k_steps`` BLOCK_K steps: the
+    tile's, but no deeper than the loop (buffers for steps that do not exist only cost; on an
+    H100, 289 products under 1e8 FLOP with one K step ran 1.10x faster in geomean unpipelined
+    than with the tile's 4-6 stages, and 1.07x with three steps in three stages)."""
+    return max(1, min(num_stages, k_steps))
 
 
 # The most K splits that finish their own tiles: the last split of a tile reads the others'
