@@ -1201,6 +1201,23 @@ def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatc
     assert "recipe" in plans.FIELDS and "accum" in plans.FIELDS and "split_fixup" in plans.FIELDS
 
 
+def test_plan_sweep_passes_keep_each_plans_best_time_and_errors():
+    from torch_triton_gemm.bench import plans
+
+    first = [{"name": "a", "us": 3.0, "cublas_us": 2.5, "ratio": 0.8333},
+             {"name": "a", "us": 5.0, "cublas_us": 2.5, "ratio": 0.5},
+             {"name": "a", "cublas_us": 2.5, "error": "RuntimeError: x"}]
+    second = [{"name": "a", "us": 24.0, "cublas_us": 2.0, "ratio": 0.0833},
+              {"name": "a", "us": 4.0, "cublas_us": 2.0, "ratio": 0.5},
+              {"name": "a", "us": 1.0, "cublas_us": 2.0, "ratio": 2.0}]
+    merged = plans.faster_rows(first, second)
+    assert [(r.get("us"), r["cublas_us"], r.get("ratio")) for r in merged] == [
+        (3.0, 2.0, 0.6667), (4.0, 2.0, 0.5), (None, 2.0, None)]
+    assert merged[2]["error"] == "RuntimeError: x" and "us" not in merged[2]
+    with pytest.raises(ValueError):
+        plans.faster_rows(first, second[:2])
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
     """What the plan sweep times: a plan launched into the problem's output and into a fresh
