@@ -1352,3 +1352,22 @@ def test_kernel_only_timing_queues_its_batches_behind_a_spin(monkeypatch, queue_
     batches = timed.count("batch")
     expected = min(batches * timing.QUEUE_AHEAD_PER_BATCH_S, timing.QUEUE_AHEAD_MAX_S)
     assert sleeps[0] == int(expected * timing.SLEEP_CYCLES_PER_S)
+
+
+def test_plan_sweep_launch_variants_vary_warps_and_stages_within_shared_memory():
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+    portable = tuning.MMPlan("portable", tile, split_k=2)
+    variants = plans.with_launch_variants([portable], 2, 232448)
+    assert variants[0] == portable and len(set(variants)) == len(variants)
+    assert {(p.tile.num_warps, p.tile.num_stages) for p in variants} == {
+        (4, 5), (2, 5), (8, 5), (4, 1), (4, 2), (4, 3)}
+    assert all(dataclasses.replace(p, tile=tile) == portable for p in variants)
+    big = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3))
+    shared = tuning.shared_memory_bytes(big.tile, 2)
+    stages = {p.tile.num_stages for p in plans.with_launch_variants([big], 2, shared)}
+    assert stages == {2, 3}  # deeper pipelines do not fit
+    fp8 = tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tile)
+    assert plans.with_launch_variants([fp8], 1, 232448) == [fp8]

@@ -176,6 +176,32 @@ def with_fixup_twin(plans: list[tuning.MMPlan]) -> list[tuning.MMPlan]:
     return [*plans, dataclasses.replace(first, split_fixup=True)]
 
 
+# Launch variants of the planner's pick (--launch-variants): the warps and pipeline depths
+# tried on its tile.
+VARIANT_WARPS = (2, 4, 8)
+VARIANT_STAGES = {"portable": (1, 2, 3), "tma": (2, 3, 4, 5)}
+
+
+def with_launch_variants(plans: list[tuning.MMPlan], element_size: int,
+                         shared_memory: int) -> list[tuning.MMPlan]:
+    """``plans`` and the first one's tile with each other warp count of VARIANT_WARPS and
+    pipeline depth of VARIANT_STAGES (its kernel's; the portable kernel launches at most as
+    deep as its K loop, see ``tuning.pipeline_stages``), those that fit ``shared_memory``: how
+    the launch shape of the planner's picks could change, timed in one run."""
+    first = plans[0]
+    if first.kernel not in VARIANT_STAGES:
+        return plans
+    tiles = [dataclasses.replace(first.tile, num_warps=w) for w in VARIANT_WARPS]
+    tiles += [dataclasses.replace(first.tile, num_stages=s) for s in VARIANT_STAGES[first.kernel]]
+    variants = list(plans)
+    for tile in tiles:
+        plan = dataclasses.replace(first, tile=tile)
+        if plan not in variants and tuning.shared_memory_bytes(tile, element_size) <= (
+                shared_memory):
+            variants.append(plan)
+    return variants
+
+
 def _compile_jobs(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]],
                   deadline: float = math.inf) -> int:
     """Launch each plan once (a worker process's share), so that Triton compiles and caches
@@ -306,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=float, default=6.0, help="ms of replays per plan")
     parser.add_argument("--rounds", type=int, default=None,
                         help="time cuBLAS and every plan this many times, alternating, best "
-                             "kept (default: 2 with --chosen-only or --fixup-ab, else 1)")
+                             "kept (default: 2 with --chosen-only, --fixup-ab or "
+                             "--launch-variants, else 1)")
     parser.add_argument("--passes", type=int, default=1,
                         help="time every case this many times, one pass over all cases after "
                              "another, each row keeping its best: a slow window of the GPU "
@@ -336,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
                              "(split_fixup)")
+    parser.add_argument("--launch-variants", action="store_true",
+                        help="time the plan the planner picks and its tile with other warp "
+                             "counts and pipeline depths (with_launch_variants)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
@@ -362,10 +392,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = args.dtypes.split(",")
     jobs = [(case, dtype, *case_plans(case, dtype)) for case in cases
             for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)]
-    if args.chosen_only or args.fixup_ab:
+    if args.chosen_only or args.fixup_ab or args.launch_variants:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
         jobs = [(c, d, aligned, with_fixup_twin(plans)) for c, d, aligned, plans in jobs]
+    if args.launch_variants:
+        smem = _device.shared_memory_per_block(0)
+        jobs = [(c, d, aligned, with_launch_variants(
+                    plans, 1 if isinstance(c, ScaledCase) else DTYPES[d].itemsize, smem))
+                for c, d, aligned, plans in jobs]
     if args.kernels is not None:
         kernels = set(args.kernels.split(","))
         jobs = [(c, d, aligned, [p for p in plans if p.kernel in kernels])
@@ -375,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c, d, aligned, plans in jobs]
     total = sum(len(plans) for *_, plans in jobs)
     rounds = args.rounds if args.rounds is not None else (
-        2 if args.chosen_only or args.fixup_ab else 1)
+        2 if args.chosen_only or args.fixup_ab or args.launch_variants else 1)
     print(f"{len(jobs)} cases, {total} plans", file=sys.stderr)
     compile_all([(case, dtype, plans) for case, dtype, _, plans in jobs], args.workers,
                 args.compile_budget)
