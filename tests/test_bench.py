@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -368,17 +369,40 @@ def test_moe_suite_cases():
 def test_moe_section_and_csv_report_peak_memory(tmp_path):
     row = GemmResult(MoECase("qwen3", "fwd", 128, 8, 2048, 768, 4096), "bf16",
                      {"tgemm": 2.0, "torch": 3.0}, {"tgemm": 2.5, "torch": 3.5}, 4e-3,
-                     "fp32 loop", 1.0, peak_mib={"tgemm": 100.0, "torch": 900.0})
+                     "fp32 loop", 1.0, peak_mib={"tgemm": 100.0, "torch": 900.0},
+                     sm_mhz={"tgemm": 1755.0, "torch": 1980.0}, power_w={"tgemm": 699.5})
     results = RunResults(moe=[row])
     (section,) = report.sections(results)
     cells = _cells(section.render(), "qwen3 fwd")
-    assert cells[9:13] == ["1.50", "1.40", "100", "900"]
+    assert cells[9:15] == ["1.50", "1.40", "100", "900", "1755/1980", "700/n/a"]
     assert _cells(report.summary(results), "moe vs torch")[3:6] == ["bf16", "1", "1.50"]
     path = tmp_path / "moe.csv"
     report.write_csv(str(path), results.records())
     with open(path) as f:
         (record,) = list(csv.DictReader(f))
     assert (float(record["tgemm_peak_mib"]), float(record["torch_peak_mib"])) == (100.0, 900.0)
+    assert (float(record["tgemm_sm_mhz"]), float(record["tgemm_power_w"])) == (1755.0, 699.5)
+    assert float(record["torch_sm_mhz"]) == 1980.0 and math.isnan(float(record["torch_power_w"]))
+
+
+def test_clock_samples_are_read_from_nvidia_smi_or_left_unknown(tmp_path, monkeypatch):
+    lines = "1980, 310.52\n1755, 699.90\n1740, [N/A]\n[N/A], 700.10\n1770, 698.00\n"
+    assert timing.parse_clock_samples(lines) == (1770.0, 698.0)
+    assert all(math.isnan(v) for v in timing.parse_clock_samples("No devices were found\n"))
+    # A stand-in nvidia-smi: a first sample (taken before the measurement: left out), two
+    # more, then it samples on until stopped.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '1980, 80.0\\n'\nsleep 0.2\n"
+                    "printf '1410, 650.0\\n1590, 690.0\\n'\nexec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=os.pathsep)
+    with timing.ClockSampler() as sampler:
+        time.sleep(0.5)
+    assert (sampler.sm_mhz, sampler.power_w) == (1500.0, 670.0)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with timing.ClockSampler() as sampler:
+        pass
+    assert math.isnan(sampler.sm_mhz) and math.isnan(sampler.power_w)
 
 
 def _sgrouped_case(proj: str, fast: bool) -> ScaledGroupedCase:

@@ -13,6 +13,7 @@ against a per-expert fp32 loop (fwd+bwd: the worst of its four gradients).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,9 +137,11 @@ def measure_moe(case: MoECase, settings: TimingSettings, device: torch.device) -
         notes.append(f"unfused torch n/a ({short_error(exc)})")
         del fns["torch"]
     peaks = {name: peak_mib(fn, args) for name, fn in fns.items()}
-    timings = compare(fns, args, settings)
+    # Tens of milliseconds of large grouped GEMMs per call: the clocks show a power limit.
+    timings = compare(fns, args, dataclasses.replace(settings, sample_clocks=True))
     return GemmResult(case, "bf16", timings.kernel_ms, timings.eager_ms, rel_err, "fp32 loop",
-                      first_s, note="; ".join(notes + timings.notes), peak_mib=peaks)
+                      first_s, note="; ".join(notes + timings.notes), peak_mib=peaks,
+                      sm_mhz=timings.sm_mhz, power_w=timings.power_w)
 
 
 def run_moe(cases: Sequence[MoECase], settings: TimingSettings,

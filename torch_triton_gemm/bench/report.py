@@ -10,7 +10,7 @@ import csv
 import importlib.util
 import math
 import sys
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
@@ -234,7 +234,14 @@ def sgrouped_section(results: Sequence[GemmResult]) -> Section:
 
 
 MOE_HEADERS = ("name", "form", "E", "k", "H", "I", "T", "tgemm TFLOP/s", "torch TFLOP/s",
-               "ratio kernel", "ratio eager", "tgemm peak MiB", "torch peak MiB", "rel err")
+               "ratio kernel", "ratio eager", "tgemm peak MiB", "torch peak MiB",
+               "MHz tgemm/torch", "W tgemm/torch", "rel err")
+
+
+def _pair_cell(values: Mapping[str, float], fmt: str) -> str:
+    """tgemm's and torch's value of a per-implementation reading, "a/b"."""
+    tgemm, torch = (_fmt(values.get(impl, math.nan), fmt) for impl in ("tgemm", "torch"))
+    return f"{tgemm}/{torch}"
 
 
 def moe_section(results: Sequence[GemmResult]) -> Section:
@@ -245,10 +252,12 @@ def moe_section(results: Sequence[GemmResult]) -> Section:
                      str(c.tokens), fmt_tflops(r.tflops("tgemm")), fmt_tflops(r.tflops("torch")),
                      fmt_ratio(r.ratio("torch", "kernel")), fmt_ratio(r.ratio("torch", "eager")),
                      _fmt(r.peak_mib.get("tgemm", math.nan), ".0f"),
-                     _fmt(r.peak_mib.get("torch", math.nan), ".0f"), _err_cells(r)[0]])
+                     _fmt(r.peak_mib.get("torch", math.nan), ".0f"), _pair_cell(r.sm_mhz, ".0f"),
+                     _pair_cell(r.power_w, ".0f"), _err_cells(r)[0]])
     title = ("moe: moe_mlp (bf16) vs the unfused MoE MLP on torch._grouped_mm (sort, row copy, "
-             "gate/up, SwiGLU, down, weighted index_add); peak MiB: memory a call adds; rel err "
-             "vs the unfused MLP in fp32")
+             "gate/up, SwiGLU, down, weighted index_add); peak MiB: memory a call adds; MHz, W: "
+             "the median SM clock and power draw while each was timed kernel-only (a GPU at its "
+             "power limit lowers its clock); rel err vs the unfused MLP in fp32")
     return Section(title, MOE_HEADERS, rows, frozenset({"name", "form"}), _gemm_issues(results))
 
 

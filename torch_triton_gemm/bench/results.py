@@ -42,6 +42,10 @@ class GemmResult:
     error: str = ""
     note: str = ""
     peak_mib: dict[str, float] = field(default_factory=dict)  # memory a call adds (moe rows)
+    # Median SM clock (MHz) and power draw (W) during each kept kernel-only measurement, where
+    # sampled (moe rows; timing.ClockSampler).
+    sm_mhz: dict[str, float] = field(default_factory=dict)
+    power_w: dict[str, float] = field(default_factory=dict)
     # tgemm's output against the torch peer's, where a row compares them (sgrouped rows):
     # ||out - peer|| / ||peer||, and whether the two are bitwise equal.
     peer_diff: float = math.nan
@@ -96,6 +100,9 @@ class GemmResult:
             row["torch_gbps"] = self.gbps("torch")
         for impl, mib in self.peak_mib.items():
             row[f"{impl}_peak_mib"] = mib
+        for impl, mhz in self.sm_mhz.items():
+            row[f"{impl}_sm_mhz"] = mhz
+            row[f"{impl}_power_w"] = self.power_w.get(impl, math.nan)
         if self.peer_equal is not None:
             row.update(torch_diff=self.peer_diff, torch_bitwise_equal=self.peer_equal)
         row.update(rel_err=self.rel_err, err_vs=self.err_vs, first_call_s=self.first_call_s,

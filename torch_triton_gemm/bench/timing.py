@@ -25,8 +25,12 @@ Everything here needs a CUDA GPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import select
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +55,9 @@ class TimingSettings:
     rep_ms: float = 100.0
     rounds: int = 2
     max_calls: int = 16
+    # Sample the GPU's SM clock and power draw during each kernel-only measurement
+    # (ClockSampler): long rows of large GEMMs, where a power limit may lower the clock.
+    sample_clocks: bool = False
 
 
 @dataclass
@@ -60,6 +67,87 @@ class Timings:
     eager_ms: dict[str, float] = field(default_factory=dict)
     kernel_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # With TimingSettings.sample_clocks: the median SM clock (MHz) and power draw (W) during
+    # the kernel-only measurement each implementation keeps (where they could be read).
+    sm_mhz: dict[str, float] = field(default_factory=dict)
+    power_w: dict[str, float] = field(default_factory=dict)
+
+
+# nvidia-smi's sampling period while a ClockSampler is open, and how long it may take to start.
+CLOCK_SAMPLE_MS = 20
+CLOCK_START_S = 5.0
+
+
+class ClockSampler:
+    """The median SM clock (MHz) and power draw (W) of one GPU while the context is open,
+    sampled by ``nvidia-smi`` every CLOCK_SAMPLE_MS (``sm_mhz`` and ``power_w`` stay NaN where
+    it is missing or reports nothing). A long run of large GEMMs can reach the GPU's power
+    limit, which lowers its clock and so its speed, by how much power the kernels draw: the
+    clocks tell such a row's ratio apart from the kernels' own speed."""
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        self.sm_mhz = math.nan
+        self.power_w = math.nan
+        self._device = device
+        self._process: subprocess.Popen[str] | None = None
+
+    def _gpu_id(self) -> str:
+        # nvidia-smi numbers GPUs its own way (CUDA_VISIBLE_DEVICES aside): name it by bus.
+        if not torch.cuda.is_available():
+            return "0"
+        props = torch.cuda.get_device_properties(self._device)
+        bus = getattr(props, "pci_bus_id", None)
+        if bus is None:
+            return str(torch.cuda.current_device() if self._device is None else self._device)
+        return (f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:"
+                f"{getattr(props, 'pci_device_id', 0):02X}.0")
+
+    def __enter__(self) -> ClockSampler:
+        program = shutil.which("nvidia-smi")
+        if program is not None:
+            try:
+                self._process = subprocess.Popen(
+                    [program, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                     f"--loop-ms={CLOCK_SAMPLE_MS}", f"--id={self._gpu_id()}"],
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except (OSError, RuntimeError):
+                self._process = None
+        if self._process is not None and self._process.stdout is not None:
+            # nvidia-smi takes a while to start: wait for its first sample (taken before what
+            # is measured, so left out) rather than miss a short measurement.
+            ready, _, _ = select.select([self._process.stdout], [], [], CLOCK_START_S)
+            if ready:
+                self._process.stdout.readline()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            output, _ = self._process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            output, _ = self._process.communicate()
+        self.sm_mhz, self.power_w = parse_clock_samples(output)
+
+
+def parse_clock_samples(output: str) -> tuple[float, float]:
+    """The medians of nvidia-smi's "clock, power" lines (NaN where none could be read)."""
+    clocks, powers = [], []
+    for line in output.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 2:
+            continue
+        try:
+            clock, power = float(fields[0]), float(fields[1])
+        except ValueError:
+            continue
+        clocks.append(clock)
+        powers.append(power)
+    if not clocks:
+        return math.nan, math.nan
+    return statistics.median(clocks), statistics.median(powers)
 
 
 def _elapsed_ms(run: Callable[[], Any]) -> float:
@@ -195,9 +283,14 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
                 timings.notes.append(f"{name}: no CUDA graph ({short_error(exc)})")
                 torch.cuda.synchronize()
                 continue
-            kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms,
-                                  queue_ahead=True)
-            timings.kernel_ms[name] = min(timings.kernel_ms[name], kernel)
+            sampler = ClockSampler() if settings.sample_clocks else None
+            with sampler or contextlib.nullcontext():
+                kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms,
+                                      queue_ahead=True)
+            if kernel < timings.kernel_ms[name]:
+                timings.kernel_ms[name] = kernel
+                if sampler is not None:
+                    timings.sm_mhz[name], timings.power_w[name] = sampler.sm_mhz, sampler.power_w
             del graph
     for table in (timings.eager_ms, timings.kernel_ms):
         for name, value in table.items():
