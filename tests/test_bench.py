@@ -1240,6 +1240,9 @@ def test_plan_sweep_passes_keep_each_plans_best_time_and_errors():
     assert merged[2]["error"] == "RuntimeError: x" and "us" not in merged[2]
     with pytest.raises(ValueError):
         plans.faster_rows(first, second[:2])
+    # A plan that failed only in the second pass keeps that error and no time.
+    failed = plans.faster_rows(first[:1], [{"name": "a", "cublas_us": 2.0, "error": "E: y"}])
+    assert failed[0]["error"] == "E: y" and "us" not in failed[0] and "ratio" not in failed[0]
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])

@@ -660,14 +660,15 @@ def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
                 stream_k: bool = False, fixup_splits: int = 0,
                 aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1),
-                k_steps: int | None = None) -> Mapping[str, Any]:
+                num_stages: int | None = None) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
     themselves, and (``aligns``, the portable kernel's) the ``pitch_alignment`` of stride_am,
-    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; ``k_steps``
-    (the portable kernel's, when K is known): the BLOCK_K steps each program takes, which caps
-    its pipeline depth (``pipeline_stages``); read-only."""
+    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; ``num_stages``
+    (the portable kernel's, when K is known): its pipeline depth, ``pipeline_stages`` of the
+    tile's for the K steps each program takes (the depth, not the steps, keys this cache, so
+    that it stays as small as the plans); read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -680,8 +681,8 @@ def launch_meta(plan: MMPlan, split: bool,
     else:
         (meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"],
          meta["M_ALIGN"], meta["N_ALIGN"]) = aligns
-        if k_steps is not None:
-            meta["num_stages"] = pipeline_stages(plan.tile.num_stages, k_steps)
+        if num_stages is not None:
+            meta["num_stages"] = num_stages
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1

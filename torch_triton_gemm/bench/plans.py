@@ -449,13 +449,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def faster_rows(first: Sequence[dict[str, object]],
                 second: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     """The rows of two passes over one case's plans, each plan's and cuBLAS's best time
-    kept (a plan that failed in either pass keeps its error)."""
+    kept (a plan that failed in either pass keeps its error, and no time)."""
     merged = []
     for one, two in zip(first, second, strict=True):
-        row = {**one, **{key: value for key, value in two.items() if key == "error"}}
+        row = dict(one)
+        if "error" in two:
+            row["error"] = two["error"]
         cublas = min(float(one["cublas_us"]), float(two["cublas_us"]))  # type: ignore[arg-type]
         row["cublas_us"] = round(cublas, 3)
-        if "error" not in row:
+        if "error" in row:
+            row.pop("us", None)
+            row.pop("ratio", None)
+        else:
             us = min(float(one["us"]), float(two["us"]))  # type: ignore[arg-type]
             row["us"] = round(us, 3)
             row["ratio"] = round(cublas / us, 4)

@@ -177,10 +177,12 @@ def time_batches(run_batch: Callable[[], Any], calls: int, warmup_ms: float,
 
     ``queue_ahead`` (kernel-only timing: ``run_batch`` replays a CUDA graph): the GPU first runs
     a spinning kernel while the host queues the timed batches, so that the GPU never waits for
-    the host between them. Otherwise a host stall while the GPU drains a batch of
-    few-microsecond kernels (a busy thread, the OS) lands inside the next batch's events:
-    identical kernels then timed 2-9x slower in one run than in the next. (Eager timing must
-    not: there the host's time is part of what is measured.)"""
+    the host between them: a host stall while the GPU drains a batch of few-microsecond
+    kernels would otherwise land inside the next batch's events. (It did not remove the slow
+    windows seen in plan sweeps on an H100, identical kernels up to 8x slower in one run than
+    the next in both of a row's rounds: those last longer than a row; bench.plans --passes
+    times the whole sweep again instead. Eager timing must not queue ahead: there the host's
+    time is part of what is measured.)"""
     # Not the first run: a CUDA graph's first replay uploads it (and a first launch may meet
     # the GPU at idle clocks), which made batches of a few-microsecond kernel look ten times
     # longer than they are and left too few warm-up and timed batches.

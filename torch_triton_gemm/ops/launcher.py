@@ -169,11 +169,11 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             first_tile, units, sk_tiles, bias is not None, activation, input_precision(a.dtype),
             _device.interpreter_enabled() and a.dtype == torch.bfloat16, index_64,
         )
-        k_steps = None
+        stages = None
         if kernel is mm_kernel and type(k_per_split) is int:
-            k_steps = -(-k_per_split // tile.block_k)
+            stages = tuning.pipeline_stages(tile.num_stages, -(-k_per_split // tile.block_k))
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0, aligns, k_steps)
+                                  split_k if fixup else 0, aligns, stages)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
         grid = ((programs if sk_tiles else min(programs, units)),) if (
             kernel is mm_tma_kernel) else (units,)
