@@ -78,21 +78,24 @@ def _compute_dtype(*tensors: object, autocast: bool = True) -> torch.dtype | str
     if reason is not None:
         return reason
     first = tensors[0]
-    if first.device.type not in _KERNEL_DEVICE_TYPES:
+    # Each .device makes a new torch.device: read once per tensor (host time per routed call).
+    device = first.device
+    if device.type not in _KERNEL_DEVICE_TYPES:
         return "tgemm does not run on this device"
     for t in tensors:
-        if t.device != first.device:
+        if t is not first and t.device != device:
             return "operands are on different devices"
         if t.dtype not in _ROUTABLE_DTYPES:
             return "dtype is not float16, bfloat16 or float32"
-    if autocast and torch.is_autocast_enabled(first.device.type):
+    if autocast and torch.is_autocast_enabled(device.type):
         # aten casts matmul operands to the autocast dtype; tgemm::mm has no autocast rule, so
         # the planners cast the same way.
-        return torch.get_autocast_dtype(first.device.type)
+        return torch.get_autocast_dtype(device.type)
+    dtype = first.dtype
     for t in tensors:
-        if t.dtype != first.dtype:
+        if t.dtype != dtype:
             return "operands have different dtypes"
-    return first.dtype
+    return dtype
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

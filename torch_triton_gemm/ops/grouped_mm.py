@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._registry import define_triton_op, eager_autograd_function
+from ._registry import define_triton_op, eager_autograd_apply
 from .checks import check_value, float32_precision
 from .grouped_launch import (
     GroupedLaunch,
@@ -232,7 +232,7 @@ grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 # The same forward and formulas for plain eager calls of tg.grouped_mm, which skip the
 # dispatcher.
-_EagerGroupedMM = eager_autograd_function(grouped_mm_op)
+_eager_grouped_mm_with_grad = eager_autograd_apply(grouped_mm_op)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
     """
     if plain_eager(a, b, offs, bias):
         if needs_grad(a, b, bias):
-            return _EagerGroupedMM.apply(a, b, offs, bias, out_dtype, zero_tail)
+            return _eager_grouped_mm_with_grad(a, b, offs, bias, out_dtype, zero_tail)
         return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
     return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)
 

@@ -561,8 +561,8 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 def plain_eager(*tensors: torch.Tensor | None) -> bool:
     """True for a call no PyTorch subsystem needs to see as an op: no tracing, compile, modes or
     tensor subclasses. Such calls skip the dispatcher (autograd still applies, through the op's
-    eager autograd function, as ``_EagerMM`` in ops/mm.py), whose Python custom-op path costs
-    more host time than a small GEMM takes on the GPU."""
+    eager autograd function: ``eager_autograd_apply`` in ops/_registry.py), whose Python
+    custom-op path costs more host time than a small GEMM takes on the GPU."""
     # is_compiling first: TorchDynamo, tracing this, folds it and traces no further.
     if (torch.compiler.is_compiling() or _len_dispatch_stack() or _function_mode_enabled()
             or _functorch_active()):

@@ -30,7 +30,7 @@ from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.tiles import ACTIVATIONS
 from . import compile_ahead
-from ._registry import define_triton_op, eager_autograd_function
+from ._registry import define_triton_op, eager_autograd_apply
 from .checks import (
     FP8_DTYPES,
     check,
@@ -210,12 +210,16 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 def _is_transposed(t: torch.Tensor) -> bool:
     """A column-major matrix (the ``.t()`` of a contiguous one), whose gradient should be too."""
     rows, cols = t.shape
-    # guard_or_false: under torch.compile with dynamic shapes, no guard on the sizes.
-    return guard_or_false((t.stride(0) == 1) & (t.stride(1) == rows) & (rows != 1) & (cols != 1))
+    row_stride, col_stride = t.stride()
+    transposed = (row_stride == 1) & (col_stride == rows) & (rows != 1) & (cols != 1)
+    # Plain sizes give a bool (eager calls: no guard_or_false, a microsecond each); symbolic
+    # ones (torch.compile with dynamic shapes) are decided without a guard on the sizes.
+    return transposed if type(transposed) is bool else guard_or_false(transposed)
 
 
-def _activation_grad(ctx, grad_out: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    a, b, bias, out = ctx.saved_tensors
+def _activation_grad(ctx, saved: tuple[torch.Tensor | None, ...],  # type: ignore[no-untyped-def]
+                     grad_out: torch.Tensor) -> torch.Tensor:
+    a, b, bias, out = saved
     if ctx.activation == "none":
         return grad_out
     if ctx.activation == "relu":
@@ -242,8 +246,9 @@ def _gradient_product(x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype,
 
 
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
-    a, b, _, _ = ctx.saved_tensors
-    grad_z = _activation_grad(ctx, grad_out)
+    saved = ctx.saved_tensors  # unpacked once: each unpacking checks every saved tensor
+    a, b = saved[0], saved[1]
+    grad_z = _activation_grad(ctx, saved, grad_out)
     grad_a = grad_b = grad_bias = None
     until_built = getattr(ctx, "pytorch_until_built", False)
     # Each gradient in its input's layout, as aten's mm formulas give it: a weight passed as
@@ -269,7 +274,7 @@ mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The same forward and formulas for plain eager calls of tg.mm, which skip the dispatcher.
-_EagerMM = eager_autograd_function(mm_op)
+_eager_mm_with_grad = eager_autograd_apply(mm_op)
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -296,6 +301,6 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     """
     if plain_eager(a, b, bias):
         if needs_grad(a, b, bias):
-            return _EagerMM.apply(a, b, bias, activation, out_dtype)
+            return _eager_mm_with_grad(a, b, bias, activation, out_dtype)
         return mm_eager_call(a, b, bias, activation, out_dtype)
     return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
