@@ -204,8 +204,10 @@ def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
 
     def run() -> torch.Tensor:
         b_kn = _cast(b, dtype).t() if b_is_weight else _cast(b, dtype)
-        out = _tgemm(_cast(a, dtype).reshape(m, k), b_kn, _cast(bias, dtype))
-        return out.reshape(*lead, n)
+        a_mk = _cast(a, dtype)
+        if len(lead) == 1:  # already [M, K]: no view (and no view node for autograd) either way
+            return _tgemm(a_mk, b_kn, _cast(bias, dtype))
+        return _tgemm(a_mk.reshape(m, k), b_kn, _cast(bias, dtype)).reshape(*lead, n)
 
     return _Plan(family, m * n * k, run)
 
