@@ -288,6 +288,29 @@ def test_rows_past_offs_follow_torch_or_zero(device, form):
     assert torch.equal(zeroed[written], tg.grouped_mm(s.a, s.b, s.offs)[written])
 
 
+@pytest.mark.parametrize("form", ["m", "n", "k"])
+def test_offs_views_read_as_their_values(device, form, highest_fp32):
+    """offs given as a strided view (every other entry of a buffer holding other values) or an
+    expanded one (stride 0, one stored entry) means its values, as torch._grouped_mm reads it:
+    the kernels index offs as contiguous, so the launch reads a contiguous copy."""
+    s = make_sample(form, "row", torch.float32, device)
+    ends = s.offs
+    buffer = torch.stack([ends, torch.full_like(ends, 10_000)], dim=1).reshape(-1)
+    strided = buffer[::2]
+    assert strided.stride(0) == 2 and torch.equal(strided, ends)
+    ref, written = reference(s.a, s.b, ends)
+    assert_close_in_groups(tg.grouped_mm(s.a, s.b, strided), ref, written, torch.float32,
+                           f"{form} strided offs")
+    # Every group ending at the same row: one group with rows, the others empty, zeros after.
+    end = int(ends[-1])
+    expanded = torch.tensor([end], dtype=torch.int32, device=device).expand(ends.shape[0])
+    ref, written = reference(s.a, s.b, expanded.contiguous())
+    zero_tail = form != "k"  # (the contraction grouped has no tail in its output)
+    out = tg.grouped_mm(s.a, s.b, expanded, zero_tail=zero_tail)
+    assert_close_in_groups(out, ref, written, torch.float32, f"{form} expanded offs")
+    assert torch.equal(out[~written], torch.zeros_like(out[~written]))
+
+
 def test_odd_sizes_and_group_edges(device, highest_fp32):
     """Sizes that are no tile multiple, groups of one row, all rows in one group, every group
     empty, offs[-1] at the very end."""

@@ -257,6 +257,18 @@ def test_group_edges(device):
         _assert_close(tg.scaled_grouped_mm(*s.args()), ref, written, str(ends))
 
 
+def test_strided_offs_read_as_their_values(device):
+    """offs as a strided view of a buffer holding other values in between means its values,
+    as in torch._scaled_grouped_mm (the launch reads a contiguous copy)."""
+    for form in ("m", "n"):
+        s = make_scaled_sample(form, "nt", "rowwise", E4M3, device)
+        ref, written = reference(s)
+        buffer = torch.stack([s.offs, torch.full_like(s.offs, 10_000)], dim=1).reshape(-1)
+        s.offs = buffer[::2]
+        assert s.offs.stride(0) == 2
+        _assert_close(tg.scaled_grouped_mm(*s.args()), ref, written, f"{form} strided offs")
+
+
 def test_empty_problems(device):
     e4 = E4M3
     offs0 = torch.zeros(0, dtype=torch.int32, device=device)

@@ -397,6 +397,10 @@ def run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
     directly instead of through ``wrap_triton``, for plain eager calls that nothing traces."""
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
+    if offs is not None:
+        # The kernels read offs[g] at offs_ptr + g: a strided or expanded offs (a view, as
+        # torch._grouped_mm accepts) is read as its contiguous copy (itself when contiguous).
+        offs = offs.contiguous()
     launch_kernel(launch.kernel or grouped_mm_kernel, launch.grid,
                   (a, b, out, bias, offs, scale_a, scale_b, rows, *launch.args),
                   launch.meta, traceable, launch.compiled)

@@ -69,7 +69,7 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None,
     form = check_grouping(OP, a, b, offs, INPUT_DTYPES)
     check_value(not zero_tail or form in ("m", "n"),
                 lambda: f"{OP}: zero_tail applies when a 2-D a or b is grouped by rows or "
-                         f"columns (2-D x 3-D, 3-D x 2-D), not to a{a.dim()}-D x {b.dim()}-D "
+                         f"columns (2-D x 3-D, 3-D x 2-D), not to a {a.dim()}-D x {b.dim()}-D "
                          f"product")
     if out_dtype is None:
         out_dtype = a.dtype
