@@ -191,6 +191,52 @@ def test_bad_input_raises_before_launch(device, case, monkeypatch):
         tg.mm(*args)
 
 
+def _misplaced_arguments(device: str) -> list[tuple[str, object, type[Exception], str]]:
+    """(name, call, error, message) of calls with an argument that is not a dense tensor, for
+    every public op and its registered op."""
+    half = torch.float16
+    a = torch.randn(8, 8, device=device, dtype=half)
+    offs = torch.tensor([3, 8], device=device, dtype=torch.int32)
+    w3 = torch.randn(2, 8, 8, device=device, dtype=half)
+    a8 = a.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    ids = torch.zeros(8, 1, device=device, dtype=torch.long)
+    weights = torch.ones(8, 1, device=device, dtype=half)
+    sparse = a.to_sparse()
+    return [
+        ("mm b None", lambda: tg.mm(a, None), TypeError, "tgemm::mm: b must be a tensor, got "
+         "NoneType"),
+        ("mm a None", lambda: tg.mm(None, a), TypeError, "tgemm::mm: a must be a tensor"),
+        ("mm bias str", lambda: tg.mm(a, a, "x"), TypeError, "bias must be a tensor, got str"),
+        ("op mm b None", lambda: torch.ops.tgemm.mm(a, None), TypeError,
+         "tgemm::mm: b must be a tensor"),
+        ("mm sparse", lambda: tg.mm(sparse, a), RuntimeError,
+         "tgemm::mm: a must be a dense (strided) tensor, got torch.sparse_coo"),
+        ("grouped b None", lambda: tg.grouped_mm(a, None, offs), TypeError,
+         "tgemm::grouped_mm: b must be a tensor"),
+        ("grouped sparse", lambda: tg.grouped_mm(sparse, w3, offs), RuntimeError,
+         "tgemm::grouped_mm: a must be a dense (strided) tensor"),
+        ("scaled b None", lambda: tg.scaled_mm(a8, None, one, one), TypeError,
+         "tgemm::scaled_mm: b must be a tensor"),
+        ("scaled scale_b None", lambda: tg.scaled_mm(a8, a8.t(), one, None), TypeError,
+         "tgemm::scaled_mm: scale_b must be a tensor"),
+        ("scaled grouped b None", lambda: tg.scaled_grouped_mm(
+            a8, None, torch.ones(8, device=device), torch.ones(2, 8, device=device), offs),
+         TypeError, "tgemm::scaled_grouped_mm: b must be a tensor"),
+        ("moe w13 None", lambda: tg.moe_mlp(a, None, w3, ids, weights), TypeError,
+         "tgemm::moe_mlp: w13 must be a tensor"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_misplaced_arguments_are_named(device, case):
+    """None, a non-tensor or a sparse tensor where an op takes a dense tensor: an error naming
+    the op and the argument (the eager paths read sizes and pointers before the checks)."""
+    name, call, error, message = _misplaced_arguments(device)[case]
+    with pytest.raises(error, match=_escape(message)):
+        call()
+
+
 def _escape(message: str) -> str:
     import re
 

@@ -109,6 +109,38 @@ def eager_autograd_apply(op: CustomOpDef) -> Callable[..., Any]:
     return super(torch.autograd.Function, _EAGER_FUNCTIONS[op._qualname]).apply
 
 
+def explain_bad_arguments(op: CustomOpDef, args: tuple[Any, ...],
+                          kwargs: dict[str, Any] | None = None) -> None:
+    """Raise a clear error where the arguments of a call of ``op`` that failed do not fit the
+    tensor arguments of its schema: TypeError for a value that is not a tensor (None where the
+    argument is not optional), RuntimeError for a tensor that is not dense (strided). Returns
+    where they fit, for the caller to re-raise its own error.
+
+    Called only after a failure: eager paths read sizes, strides and data pointers before the
+    op's checks (their memo key), and the dispatcher lets None through for a ``Tensor``, so a
+    mistaken argument would otherwise surface as an AttributeError from inside the package.
+    """
+    kwargs = kwargs or {}
+    for i, argument in enumerate(op._opoverload._schema.arguments):
+        if i < len(args):
+            value = args[i]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        kind, optional = argument.type, False
+        if isinstance(kind, torch._C.OptionalType):
+            kind, optional = kind.getElementType(), True
+        if not isinstance(kind, torch._C.TensorType) or (value is None and optional):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op._qualname}: {argument.name} must be a tensor, got "
+                            f"{type(value).__name__}")
+        if value.layout != torch.strided:
+            raise RuntimeError(f"{op._qualname}: {argument.name} must be a dense (strided) "
+                               f"tensor, got {value.layout}")
+
+
 def _check_same_parameters(name: str, impl: Callable[..., Any],
                            eager_impl: Callable[..., Any]) -> None:
     def parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
@@ -146,15 +178,23 @@ def _register_eager_kernels(op: CustomOpDef, eager_impl: Callable[..., Any]
     is_grad_enabled = torch._C.is_grad_enabled
 
     def autograd_kernel(keyset, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if keyset.raw_repr() in plain_key_sets:
-            if not (is_grad_enabled() and any_requires_grad(*args)):
-                return eager_impl(*args, **kwargs)
-            if apply_grad:
-                return apply(*args, *defaults[len(args):])
-        return generic_autograd(keyset, *args, **kwargs)
+        try:
+            if keyset.raw_repr() in plain_key_sets:
+                if not (is_grad_enabled() and any_requires_grad(*args)):
+                    return eager_impl(*args, **kwargs)
+                if apply_grad:
+                    return apply(*args, *defaults[len(args):])
+            return generic_autograd(keyset, *args, **kwargs)
+        except (AttributeError, TypeError, RuntimeError):
+            explain_bad_arguments(op, args, kwargs)
+            raise
 
     def backend_kernel(*args, **kwargs):  # type: ignore[no-untyped-def]
-        return eager_impl(*args, **kwargs)
+        try:
+            return eager_impl(*args, **kwargs)
+        except (AttributeError, TypeError, RuntimeError):
+            explain_bad_arguments(op, args, kwargs)
+            raise
 
     library = torch.library.Library(op._namespace, "IMPL")
     for key in _DEVICE_KEYS:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._registry import define_triton_op, eager_autograd_apply
+from ._registry import define_triton_op, eager_autograd_apply, explain_bad_arguments
 from .checks import check_value, float32_precision
 from .grouped_launch import (
     GroupedLaunch,
@@ -265,9 +265,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
         >>> offs = counts.cumsum(0).to(torch.int32)
         >>> y = tg.grouped_mm(x, w.transpose(-2, -1), offs)   # [1000, 2048]
     """
-    if plain_eager(a, b, offs, bias):
-        if needs_grad(a, b, bias):
-            return _eager_grouped_mm_with_grad(a, b, offs, bias, out_dtype, zero_tail)
-        return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
-    return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)
+    try:
+        if plain_eager(a, b, offs, bias):
+            if needs_grad(a, b, bias):
+                return _eager_grouped_mm_with_grad(a, b, offs, bias, out_dtype, zero_tail)
+            return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
+        return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)
+    except (AttributeError, TypeError, RuntimeError):
+        explain_bad_arguments(grouped_mm_op, (a, b, offs, bias, out_dtype, zero_tail))
+        raise
 

@@ -30,7 +30,7 @@ from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.tiles import ACTIVATIONS
 from . import compile_ahead
-from ._registry import define_triton_op, eager_autograd_apply
+from ._registry import define_triton_op, eager_autograd_apply, explain_bad_arguments
 from .checks import (
     FP8_DTYPES,
     check,
@@ -299,8 +299,12 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
-    if plain_eager(a, b, bias):
-        if needs_grad(a, b, bias):
-            return _eager_mm_with_grad(a, b, bias, activation, out_dtype)
-        return mm_eager_call(a, b, bias, activation, out_dtype)
-    return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
+    try:
+        if plain_eager(a, b, bias):
+            if needs_grad(a, b, bias):
+                return _eager_mm_with_grad(a, b, bias, activation, out_dtype)
+            return mm_eager_call(a, b, bias, activation, out_dtype)
+        return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)
+    except (AttributeError, TypeError, RuntimeError):
+        explain_bad_arguments(mm_op, (a, b, bias, activation, out_dtype))
+        raise

@@ -60,7 +60,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels.combine import combine_kernel
 from ..kernels.glu import glu_backward_kernel, glu_forward_kernel
-from ._registry import define_triton_op
+from ._registry import define_triton_op, explain_bad_arguments
 from .checks import check, check_value
 from .grouped_launch import (
     GroupedRouting,
@@ -581,12 +581,16 @@ def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
         >>> weights, ids = torch.randn(4096, 8, device="cuda").softmax(-1).topk(2)
         >>> out = tg.moe_mlp(x, w13, w2, ids, weights)   # [4096, 1024]
     """
-    if validate_ids:
-        _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
-        check_ids_in_range(topk_ids, w13.shape[0])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
-        # Training: keep the pre-activations for the backward rather than recompute them.
-        pre = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids)[0]
-        return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation)[0]
-    return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
+    try:
+        if validate_ids:
+            _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
+            check_ids_in_range(topk_ids, w13.shape[0])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
+            # Training: keep the pre-activations for the backward rather than recompute them.
+            pre = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids)[0]
+            return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation)[0]
+        return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
+    except (AttributeError, TypeError, RuntimeError):
+        explain_bad_arguments(moe_mlp_op, (x, w13, w2, topk_ids, topk_weights, activation))
+        raise
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ._registry import define_triton_op
+from ._registry import define_triton_op, explain_bad_arguments
 from .checks import (
     BLOCKWISE_K,
     FP8_DTYPES,
@@ -369,10 +369,15 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         >>> wq = (w / ws[..., None]).to(torch.float8_e4m3fn)
         >>> y = tg.scaled_grouped_mm(xq, wq.transpose(-2, -1), xs, ws, offs)  # [1000, 2048]
     """
-    if torch.is_grad_enabled():
-        _check_no_grads(a, b, scale_a, scale_b, bias)
-    if plain_eager(a, b, scale_a, scale_b, offs, bias):
-        return _scaled_grouped_mm_eager(a, b, scale_a, scale_b, offs, bias, scale_result,
-                                        out_dtype, use_fast_accum)
-    return torch.ops.tgemm.scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result,
-                                             out_dtype, use_fast_accum)
+    try:
+        if torch.is_grad_enabled():
+            _check_no_grads(a, b, scale_a, scale_b, bias)
+        if plain_eager(a, b, scale_a, scale_b, offs, bias):
+            return _scaled_grouped_mm_eager(a, b, scale_a, scale_b, offs, bias, scale_result,
+                                            out_dtype, use_fast_accum)
+        return torch.ops.tgemm.scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias,
+                                                 scale_result, out_dtype, use_fast_accum)
+    except (AttributeError, TypeError, RuntimeError):
+        explain_bad_arguments(scaled_grouped_mm_op, (a, b, scale_a, scale_b, offs, bias,
+                                                     scale_result, out_dtype, use_fast_accum))
+        raise

@@ -49,7 +49,7 @@ import torch
 from .. import device as _device
 from .. import plan_cache, tuning
 from ..kernels.scaled import scaled_mm_kernel
-from ._registry import define_triton_op
+from ._registry import define_triton_op, explain_bad_arguments
 from .checks import (
     BLOCKWISE_K,
     blockwise_scale_blocks,
@@ -495,10 +495,16 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
         >>> wq, ws = tg.quantize(w.t(), "rowwise", "b")   # [K, N] column-major
         >>> y = tg.scaled_mm(xq, wq, xs, ws)               # [64, 512] bfloat16
     """
-    if plain_eager(a, b, scale_a, scale_b, bias):
-        if not needs_grad(a, b, scale_a, scale_b, bias):
-            return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
-        _check_no_quantized_grads(a, b, scale_a, scale_b)  # bias alone may need gradients
-    elif torch.is_grad_enabled():
-        _check_no_quantized_grads(a, b, scale_a, scale_b)
-    return torch.ops.tgemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+    try:
+        if plain_eager(a, b, scale_a, scale_b, bias):
+            if not needs_grad(a, b, scale_a, scale_b, bias):
+                return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
+            _check_no_quantized_grads(a, b, scale_a, scale_b)  # bias alone may need gradients
+        elif torch.is_grad_enabled():
+            _check_no_quantized_grads(a, b, scale_a, scale_b)
+        return torch.ops.tgemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype,
+                                         use_fast_accum)
+    except (AttributeError, TypeError, RuntimeError):
+        explain_bad_arguments(scaled_mm_op, (a, b, scale_a, scale_b, bias, out_dtype,
+                                             use_fast_accum))
+        raise
