@@ -91,10 +91,10 @@ class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
         return f"override({self._describe_settings()})"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
         entry = _ENTRY_POINTS.get(func)
-        if entry is None:
-            return func(*args, **kwargs)
+        if entry is None:  # most calls of a model's step: pass them on at the least cost
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         name, planner = entry
         plan = self.decide(name, planner(args, kwargs), args)
         result = None if plan is None else self.run(plan.run)
