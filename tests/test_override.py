@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -248,6 +249,85 @@ def test_beta_zero_ignores_input(level, highest_fp32):
     assert ov.counts == routed_counts(addmm=1, bmm=1)
     assert rel_err(out, 3 * (a.double() @ b.double())) <= TOLERANCE[torch.float32]
     assert rel_err(out3, a3.double() @ b3.double()) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+@pytest.mark.parametrize("level", ["python", "aten"])
+def test_beta_zero_keeps_an_input_that_requires_grad(level, highest_fp32):
+    """With beta = 0 aten's result still depends on input, with a zero gradient: an input
+    that requires grad stays in the graph (the Python level leaves such calls to PyTorch)."""
+    a, b, a3, b3 = randn(6, 16), randn(16, 8), randn(2, 6, 16), randn(2, 16, 8)
+    inp, inp3 = randn(6, 8, requires_grad=True), randn(2, 6, 8, requires_grad=True)
+    with tg.override(level=level):
+        out = torch.addmm(inp, a, b, beta=0)
+        out3 = torch.baddbmm(inp3, a3, b3, beta=0)
+        assert out.requires_grad and out3.requires_grad
+        grads = torch.autograd.grad((out.sum() + out3.sum()), (inp, inp3))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    assert rel_err(out, a.double() @ b.double()) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+def test_torch_func_transforms_and_forward_ad_stay_with_pytorch(highest_fp32):
+    """torch.func transforms and forward-mode AD get PyTorch's products (tgemm's formulas are
+    reverse-mode autograd only, which grad rejects and jvp would silently drop): results as
+    without the override."""
+    a, w, t = randn(5, 7), randn(7, 3), randn(7, 3)
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        return (a @ w).tanh().sum()
+
+    def tangent_of_linear() -> torch.Tensor:
+        with fwAD.dual_level():
+            out = F.linear(a, fwAD.make_dual(w.t(), t.t()))
+            return fwAD.unpack_dual(out).tangent
+
+    expected = (torch.func.grad(loss)(w), torch.func.jvp(lambda w: a @ w, (w,), (t,))[1],
+                tangent_of_linear())
+    with tg.override() as ov:
+        got = (torch.func.grad(loss)(w), torch.func.jvp(lambda w: a @ w, (w,), (t,))[1],
+               tangent_of_linear())
+    assert ov.counts["mm"] == 0 and ov.counts["fallback"] >= 3
+    for value, reference in zip(got, expected, strict=True):
+        assert value is not None and rel_err(value, reference) <= TOLERANCE[torch.float32]
+    assert rel_err(got[1], a.double() @ t.double()) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+@pytest.mark.parametrize("level", ["python", "aten"])
+def test_products_are_not_views(level, highest_fp32):
+    """As aten's (an _unsafe_view where matmul folds), routed products of 3-D operands are
+    not views of a 2-D result: detach_() works, and so does an in-place op needing gradients
+    on a result made under no_grad."""
+    x, w, b3 = randn(2, 5, 7), randn(3, 7), randn(2, 7, 3)
+    p = randn(3, requires_grad=True)
+    with tg.override(level=level) as ov:
+        outs = [x @ w.t(), F.linear(x, w), torch.bmm(x, b3), torch.matmul(x, b3),
+                x @ w.t().expand(2, 7, 3)]
+        assert all(out._base is None for out in outs)
+        outs[0].detach_()
+        with torch.no_grad():
+            y = x @ w.t()
+        y.add_(p)
+    assert ov.counts["mm"] + ov.counts["bmm"] == 6
+    assert rel_err(y, x.double() @ w.double().t() + p.double()) <= TOLERANCE[torch.float32]
+
+
+@requires_tgemm
+@pytest.mark.parametrize("level", ["python", "aten"])
+def test_expanded_right_operand_gets_its_own_gradient(level, highest_fp32):
+    """A right operand that is an expand()ed tensor requiring grad has a gradient per batch
+    entry: bmm and matmul must not fold its batch into M (which gives the whole gradient to
+    the first entry)."""
+    x, w = randn(2, 5, 7), randn(7, 3, requires_grad=True)
+    x4 = randn(2, 2, 5, 7)
+    for product, expanded in ((lambda b: torch.bmm(x, b), w.expand(2, 7, 3)),
+                              (lambda b: torch.matmul(x4, b), w.expand(2, 2, 7, 3))):
+        expected, = torch.autograd.grad(product(expanded).sum(), expanded)
+        with tg.override(level=level) as ov:
+            got, = torch.autograd.grad(product(expanded).sum(), expanded)
+        assert ov.counts["bmm"] >= 1  # (the aten level counts the backward's products too)
+        assert rel_err(got, expected) <= TOLERANCE[torch.float32]
 
 
 @requires_tgemm

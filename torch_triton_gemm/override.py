@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.overrides import TorchFunctionMode
 
 from .aten_override import AtenGemmOverride
@@ -96,11 +97,22 @@ class GemmOverride(Router, TorchFunctionMode, contextlib.ContextDecorator):
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         name, planner = entry
-        plan = self.decide(name, planner(args, kwargs), args)
+        plan = self.decide(name, _transform_active() or planner(args, kwargs), args)
         result = None if plan is None else self.run(plan.run)
         if result is None:
             return _call_past_overrides(func, args, kwargs)
         return result
+
+
+def _transform_active() -> str | None:
+    """Why calls stay with PyTorch while a torch.func transform (grad, jacrev, jvp, vmap, ...)
+    or forward-mode AD is active, else None: tgemm's autograd formulas are reverse-mode
+    autograd.Functions, which such transforms reject or, for tangents, silently drop."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0:
+        return "a torch.func transform or forward-mode AD is active"
+    return None
 
 
 def _call_past_overrides(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -162,6 +174,10 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     the fp8 input dtype, which tgemm does not produce), and the scaled products with an input
     that requires grad. Under ``torch.autocast`` the operands of the other entry points are cast to
     the autocast dtype, as aten does. Gradients of routed calls are computed by tgemm as well.
+    At the Python level also: calls while a torch.func transform or forward-mode AD is active,
+    addmm / baddbmm with beta = 0 and an input that requires grad, and the linears inside
+    ``nn.MultiheadAttention`` (a mode does not see the calls ``F.multi_head_attention_forward``
+    makes); the aten level routes them.
 
     DTensor operands (tensor parallel) are routed like plain ones: the tgemm ops have DTensor
     sharding rules (``torch_triton_gemm.sharding``), so each rank runs tgemm on its shards with

@@ -102,6 +102,16 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def _unfolded(out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A product's fresh output ``out`` in the caller's ``shape``. Not a view of it, as aten's
+    matmul returns (``_unsafe_view``): a view would refuse what aten's results allow, such as
+    ``detach_()`` or, made under no_grad, an in-place op that needs gradients."""
+    return out if out.shape == shape else _UNSAFE_VIEW(out, shape)
+
+
 # --- planners: route a call, or say why not ------------------------------------------------------
 
 class _Plan(NamedTuple):
@@ -207,7 +217,7 @@ def _folded_plan(family: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
         a_mk = _cast(a, dtype)
         if len(lead) == 1:  # already [M, K]: no view (and no view node for autograd) either way
             return _tgemm(a_mk, b_kn, _cast(bias, dtype))
-        return _tgemm(a_mk.reshape(m, k), b_kn, _cast(bias, dtype)).reshape(*lead, n)
+        return _unfolded(_tgemm(a_mk.reshape(m, k), b_kn, _cast(bias, dtype)), (*lead, n))
 
     return _Plan(family, m * n * k, run)
 
@@ -233,16 +243,21 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
         return "empty batch or matrix"
 
     b_expanded = b.expand(*batch, k, n)
-    if all(size == 1 or stride == 0
-           for size, stride in zip(batch, b_expanded.stride()[:-2], strict=True)):
-        # One B matrix for the whole batch (a single matrix or an expand()ed one): the batch
-        # folds into M.
+    one_b = all(size == 1 or stride == 0
+                for size, stride in zip(batch, b_expanded.stride()[:-2], strict=True))
+    if one_b and torch.is_grad_enabled() and b.requires_grad and any(
+            size != 1 for size in b.shape[:-2]):
+        # b is an expand()ed tensor whose own gradient has one matrix per batch entry: folding
+        # would give the whole gradient to its first entry.
+        one_b = False
+    if one_b:
+        # One B matrix for the whole batch (a single matrix, broadcast): the batch folds into M.
         if _dtensor_refuses_reshape(a, (count * m, k), (*batch, m, k)):
             return _DTENSOR_FOLD_REFUSED
         b_matrix = b_expanded[(0,) * len(batch)]
-        return _Plan("bmm", count * m * n * k, lambda: _tgemm(
+        return _Plan("bmm", count * m * n * k, lambda: _unfolded(_tgemm(
             _cast(a, dtype).expand(*batch, m, k).reshape(count * m, k),
-            _cast(b_matrix, dtype)).reshape(*batch, m, n))
+            _cast(b_matrix, dtype)), (*batch, m, n)))
 
     if (_dtensor_refuses_reshape(a, (count, m, k), (*batch, m, k))
             or _dtensor_refuses_reshape(b_expanded, (count, k, n))):
@@ -251,7 +266,7 @@ def _batched_plan(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> _Plan
     def run() -> torch.Tensor:
         a3 = _cast(a, dtype).expand(*batch, m, k).reshape(count, m, k)
         b3 = _cast(b, dtype).expand(*batch, k, n).reshape(count, k, n)
-        return _tgemm_grouped(a3, b3).reshape(*batch, m, n)
+        return _unfolded(_tgemm_grouped(a3, b3), (*batch, m, n))
 
     # Two 3-D operands of one batch in the compute dtype: the expands and reshapes are views of
     # the operands as they are.
@@ -301,6 +316,16 @@ def _scaled_sum(product: Callable[[], torch.Tensor], input: torch.Tensor, beta: 
     return out.to(dtype)
 
 
+_INPUT_IGNORED_WITH_GRAD = ("beta = 0 with an input that requires grad (PyTorch links the "
+                            "output to it with a zero gradient)")
+
+
+def _input_ignored_with_grad(input: torch.Tensor, beta: Any) -> bool:
+    """beta = 0 ignores ``input`` (``_scaled_sum``), which would leave it out of the graph;
+    PyTorch's result depends on it with a zero gradient."""
+    return beta == 0 and torch.is_grad_enabled() and input.requires_grad
+
+
 def _bind_scaled_sum(args: tuple, kwargs: dict, names: tuple[str, str, str],
                      autocast: bool) -> tuple[Any, ...] | str:
     """input, the two factors, beta, alpha and the compute dtype of an addmm-style call
@@ -320,6 +345,8 @@ def _plan_addmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | str
     bias, a, b, beta, alpha, dtype = operands
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         return "not [M, K] @ [K, N] (PyTorch raises)"
+    if _input_ignored_with_grad(bias, beta):
+        return _INPUT_IGNORED_WITH_GRAD
     m, k = a.shape
     n = b.shape[1]
     if not _broadcasts_to(bias, (m, n)):
@@ -337,6 +364,8 @@ def _plan_baddbmm(args: tuple, kwargs: dict, autocast: bool = True) -> _Plan | s
     if isinstance(operands, str):
         return operands
     c, a, b, beta, alpha, dtype = operands
+    if _input_ignored_with_grad(c, beta):
+        return _INPUT_IGNORED_WITH_GRAD
     if (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]
             or a.shape[2] != b.shape[1]):
         return "not [B, M, K] @ [B, K, N] (PyTorch raises)"
