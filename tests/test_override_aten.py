@@ -9,6 +9,7 @@ out= forms, process-wide scope, and that what it declines reaches the kernels re
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -171,6 +172,22 @@ def test_out_forms(form, highest_fp32):
     assert str(routed_error.value) == str(plain_error.value)
     assert ov.counts["fallback"] == 1
     assert rel_err(out, ref) <= TOLERANCE[torch.float32]
+
+
+def test_out_of_another_shape_is_resized_as_aten_does(highest_fp32):
+    """An out= tensor of the wrong shape is resized, with PyTorch's deprecation warning where it
+    had elements and without one where it had none."""
+    a, b = randn(10, 24), randn(24, 12)
+    with tg.override(level="aten") as ov:
+        with pytest.warns(UserWarning, match="An output with one or more elements was resized"):
+            out = torch.mm(a, b, out=torch.empty(3, 3, device=DEVICE))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            empty = torch.mm(a, b, out=torch.empty(0, device=DEVICE))
+    assert routed(ov.counts) == 2
+    for result in (out, empty):
+        assert result.shape == (10, 12)
+        assert rel_err(result, a.double() @ b.double()) <= TOLERANCE[torch.float32]
 
 
 def test_declined_calls_reach_the_previous_kernels():

@@ -209,10 +209,24 @@ def _aten_kernel(op: _AtenOp, previous: Any) -> Callable[..., Any]:
         if out is None:
             return result
         if out.shape != result.shape:
-            out.resize_(result.shape)
+            _resize_output(out, result.shape)
         return out.copy_(result)
 
     return _without_dynamo(kernel)
+
+
+def _resize_output(out: torch.Tensor, shape: torch.Size) -> None:
+    """Resize an ``out=`` tensor as aten's out= kernels do (at::native::resize_output), with
+    PyTorch's deprecation warning where it had elements."""
+    if out.numel() != 0:
+        warnings.warn(
+            f"An output with one or more elements was resized since it had shape "
+            f"{list(out.shape)}, which does not match the required output shape "
+            f"{list(shape)}. This behavior is deprecated, and in a future PyTorch release "
+            f"outputs will not be resized unless they have zero elements. You can explicitly "
+            f"reuse an out tensor t by resizing it, inplace, to zero elements with "
+            f"t.resize_(0).", UserWarning, stacklevel=2)
+    out.resize_(shape)
 
 
 class _NoKernel(NamedTuple):

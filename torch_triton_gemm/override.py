@@ -191,7 +191,8 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     other libraries' ops, and compiled code (see below). Pick the Python level for models you
     compile (tgemm ops in the graph, Inductor sees them, no copy) and the aten level to catch
     GEMMs the Python level cannot see. Both may be open at once; the Python level decides
-    first.
+    first, and a call it leaves to PyTorch then reaches the aten level, which decides with its
+    own settings.
 
     At the Python level, mode stacks are thread-local: only the thread
     that entered it is routed; other threads' matmuls run as usual. One override object may be
