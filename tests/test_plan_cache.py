@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -190,6 +191,52 @@ def test_a_write_merges_the_plans_other_writers_stored(cache_dir, recwarn):
     reader = plan_cache.TunedPlans()
     assert reader.get(GPU, OTHER) == their_plan and reader.get(GPU, KEY) == our_plan
     assert not recwarn.list
+
+
+@pytest.mark.skipif(plan_cache.fcntl is None, reason="no file locks on this platform")
+def test_a_lock_held_elsewhere_blocks_no_reader_and_writers_give_up(cache_dir, monkeypatch,
+                                                                     recwarn):
+    """A process stopped while holding the file's lock (a paused tuning job) makes no reader
+    wait, and a writer waits at most LOCK_TIMEOUT_S, then keeps its plan in memory."""
+    stored, ours = _random_plan(), _random_plan()
+    plan_cache.TunedPlans().put(GPU, KEY, stored)
+    path = plan_cache.cache_path(GPU)
+    monkeypatch.setattr(plan_cache, "LOCK_TIMEOUT_S", 0.3)
+    holder = os.open(path.with_name(path.name + ".lock"), os.O_RDWR)
+    plan_cache.fcntl.flock(holder, plan_cache.fcntl.LOCK_EX)  # another open file: it conflicts
+    try:
+        tuned = plan_cache.TunedPlans()
+        start = time.monotonic()
+        assert tuned.get(GPU, KEY) == stored
+        assert time.monotonic() - start < 0.2
+        tuned.put(GPU, OTHER, ours)
+        assert 0.3 <= time.monotonic() - start < 5
+    finally:
+        os.close(holder)
+    assert tuned.get(GPU, OTHER) == ours and tuned.get(GPU, KEY) == stored
+    assert len(warned := _cache_warnings(recwarn, path)) == 1 and "held by another" in warned[0]
+    assert plan_cache.TunedPlans().get(GPU, OTHER) is None  # not written while locked
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    """TORCH_TRITON_GEMM_CACHE_DIR with ~ expanded; else an absolute XDG_CACHE_HOME; an empty
+    or relative one is ignored (the XDG rule), as is an empty TORCH_TRITON_GEMM_CACHE_DIR."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    default = home / ".cache" / "torch_triton_gemm"
+    cases = [(None, None, default), ("", "", default), (None, "relative/dir", default),
+             (None, str(tmp_path / "xdg"), tmp_path / "xdg" / "torch_triton_gemm"),
+             ("~/plans", str(tmp_path / "xdg"), home / "plans"),
+             ("plans", None, tmp_path / "plans")]
+    for chosen, xdg, expected in cases:
+        for name, value in (("TORCH_TRITON_GEMM_CACHE_DIR", chosen), ("XDG_CACHE_HOME", xdg)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert plan_cache.cache_dir() == expected, (chosen, xdg)
+        assert plan_cache.cache_path(GPU).parent == expected
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["one-table", "a-table-each"])

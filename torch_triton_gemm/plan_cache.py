@@ -10,7 +10,10 @@ A cache only ever costs speed, never a call:
   its tuned plans in memory;
 - writers take a lock on ``<file>.lock`` (``fcntl.flock``; best effort without it), re-read the
   file, merge their new plans into it and replace it atomically, so concurrent tuning processes
-  and threads lose no plan, and each writer picks up the plans the others stored.
+  and threads lose no plan, and each writer picks up the plans the others stored. Readers need
+  no lock (the file is replaced atomically), except to set a bad file aside; nobody waits for
+  the lock longer than ``LOCK_TIMEOUT_S`` (a tuning process stopped while holding it), after
+  which the plans stay in memory as for an unwritable cache.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import typing
 import warnings
 from collections.abc import Iterator
@@ -40,6 +44,7 @@ except ImportError:  # Windows: writers merge without a lock
     fcntl = None
 
 _CACHE_DIR_ENV = "TORCH_TRITON_GEMM_CACHE_DIR"
+LOCK_TIMEOUT_S = 10.0
 
 
 def plan_key(m: int, n: int, k: int, dtype: torch.dtype, layout: int, tma: bool) -> str:
@@ -57,14 +62,24 @@ def _kernel_source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_dir() -> Path:
+    """Where the tuned-plan files live (read at each call): ``$TORCH_TRITON_GEMM_CACHE_DIR``
+    (``~`` expanded, relative to the working directory if relative), else
+    ``$XDG_CACHE_HOME/torch_triton_gemm`` where that is an absolute path (the XDG rule: an empty
+    or relative one is ignored), else ``~/.cache/torch_triton_gemm``."""
+    chosen = os.environ.get(_CACHE_DIR_ENV)
+    if chosen:
+        return Path(chosen).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    return base / "torch_triton_gemm"
+
+
 def cache_path(device: torch.device) -> Path:
-    """The tuned-plan file for ``device``'s GPU model, this Triton and these kernels:
-    in ``$TORCH_TRITON_GEMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/torch_triton_gemm``, else
-    ``~/.cache/torch_triton_gemm`` (read at each call)."""
-    root = os.environ.get(_CACHE_DIR_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torch_triton_gemm")
+    """The tuned-plan file for ``device``'s GPU model, this Triton and these kernels, in
+    ``cache_dir()``."""
     gpu = _device.name(device).replace(" ", "_").replace("/", "_")
-    return Path(root) / f"mm-{gpu}-triton{triton.__version__}-{_kernel_source_hash()}.json"
+    return cache_dir() / f"mm-{gpu}-triton{triton.__version__}-{_kernel_source_hash()}.json"
 
 
 class TunedPlans:
@@ -109,8 +124,7 @@ class TunedPlans:
                 table = self._tables.get(path)
                 if table is None:
                     try:
-                        with _file_lock(path, writing=False):
-                            table = self._read(path)
+                        table = self._read(path)
                     except OSError as error:
                         self._warn(path, "io", f"cannot read it ({error}); tuned plans stay in "
                                                "this process's memory")
@@ -122,7 +136,7 @@ class TunedPlans:
         """Merge ``unsaved`` into the file under its lock; returns the table written."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with _file_lock(path, writing=True):
-            merged = {**self._read(path), **unsaved}
+            merged = {**self._read(path, locked=True), **unsaved}
             tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
             try:
                 tmp.write_text(json.dumps(
@@ -133,9 +147,10 @@ class TunedPlans:
                     tmp.unlink(missing_ok=True)
         return merged
 
-    def _read(self, path: Path) -> dict[str, MMPlan]:
-        """The table in ``path`` (empty without a file); a bad file is set aside. Raises
-        OSError where the file exists but cannot be read."""
+    def _read(self, path: Path, locked: bool = False) -> dict[str, MMPlan]:
+        """The table in ``path`` (empty without a file); a bad file is set aside, under the
+        file's lock (``locked``: the caller holds it). Raises OSError where the file exists but
+        cannot be read."""
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -143,6 +158,17 @@ class TunedPlans:
         try:
             return _table_from_json(json.loads(data))
         except (ValueError, RecursionError) as error:  # JSON, UTF-8 or contents
+            if not locked:
+                # Read again under the lock before setting the file aside: a writer may have
+                # just replaced it with a good one.
+                try:
+                    with _file_lock(path, writing=True):
+                        return self._read(path, locked=True)
+                except OSError as lock_error:
+                    self._warn(path, "bad", f"it is not a table of tuned plans ({error}); "
+                                            f"left in place ({lock_error}); tuned plans start "
+                                            "again from an empty table")
+                    return {}
             bad = path.with_name(path.name + ".bad")
             try:
                 os.replace(path, bad)
@@ -166,18 +192,28 @@ class TunedPlans:
 @contextlib.contextmanager
 def _file_lock(path: Path, writing: bool) -> Iterator[None]:
     """Hold an exclusive lock on ``path``'s sibling ``.lock`` file where ``fcntl`` exists. A
-    reader that cannot create the lock file (no directory, a read-only cache) reads without it;
-    a writer raises OSError."""
+    reader that cannot create the lock file (no directory, a read-only cache) goes on without
+    it; a writer raises OSError, as does anyone who waited ``LOCK_TIMEOUT_S`` for it."""
     fd = None
+    lock = path.with_name(path.name + ".lock")
     if fcntl is not None:
         try:
-            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             if writing:
                 raise
     try:
         if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{lock} was held by another process for "
+                                           f"{LOCK_TIMEOUT_S:g} s") from None
+                    time.sleep(0.01)
         yield
     finally:
         if fd is not None:
