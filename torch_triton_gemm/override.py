@@ -24,7 +24,6 @@ bottom: the entry points, the mode, and the public function.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 from torch.overrides import TorchFunctionMode
 
+from . import env
 from .aten_override import AtenGemmOverride
 from .routing import (
     FAMILIES,
@@ -255,7 +255,8 @@ def override(ops: Iterable[str] = FAMILIES, min_size: int = 0, log: bool = False
     if min_size < 0:
         raise ValueError(f"override: min_size must be >= 0, got {min_size}")
     if while_compiling is None:
-        while_compiling = os.environ.get("TORCH_TRITON_GEMM_WHILE_COMPILING", "wait")
+        while_compiling = env.choice("TORCH_TRITON_GEMM_WHILE_COMPILING",
+                                     {mode: mode for mode in WHILE_COMPILING}, "wait")
     if while_compiling not in WHILE_COMPILING:
         raise ValueError(f"override: while_compiling must be one of {WHILE_COMPILING}, got "
                          f"{while_compiling!r}")

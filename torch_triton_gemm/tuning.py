@@ -18,13 +18,13 @@ import contextvars
 import dataclasses
 import functools
 import itertools
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from . import device as _device
+from . import env
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def autotune_enabled() -> bool:
     """Tune each new bucket on first use: ``TORCH_TRITON_GEMM_AUTOTUNE=1`` (read once), GPU only."""
     if _device.interpreter_enabled():
         return False
-    return os.environ.get(_AUTOTUNE_ENV, "0") == "1"
+    return env.flag(_AUTOTUNE_ENV, False)
 
 
 def size_bucket(x: int) -> int:
@@ -626,7 +626,7 @@ def pitch_hints_enabled() -> bool:
     vectors (``kernels/tiles.py``'s k_loop); on unless ``TORCH_TRITON_GEMM_PITCH_HINTS=0``.
     On an H100 the same plans ran 1.04x faster with them (geomean of 338 sweep shapes, 1.06x
     on pitches TMA cannot read; ``docs/data/plans-h100-seed7-hints-*.csv``)."""
-    return os.environ.get(_PITCH_HINTS_ENV, "1") != "0"
+    return env.flag(_PITCH_HINTS_ENV, True)
 
 
 def pitch_alignment(stride: Any, element_size: int) -> int:

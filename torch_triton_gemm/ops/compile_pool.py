@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from .. import device as _device
+from .. import env
 from .compile_worker import PointerSpec
 
 LOG = logging.getLogger("torch_triton_gemm")
@@ -99,10 +100,8 @@ class CompilePool:
         least one and at most 8."""
         if self._workers is not None:
             return self._workers
-        env = os.environ.get("TORCH_TRITON_GEMM_COMPILE_THREADS")
-        if env:
-            return max(1, int(env))
-        return compile_processes() or max(1, min(8, (os.cpu_count() or 2) // 2))
+        threads = env.integer("TORCH_TRITON_GEMM_COMPILE_THREADS", 0, least=1)
+        return threads or compile_processes() or max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def prime(self, job: Callable[[], Any]) -> None:
         """Run ``job``, a one-time cost that compilations wait for, on a daemon thread now
@@ -244,10 +243,9 @@ def compile_variant(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
 # --- worker processes -------------------------------------------------------------------------
 
 def compile_processes() -> int:
-    """TORCH_TRITON_GEMM_COMPILE_PROCESSES: worker processes compiling variants (0, the default,
-    or not a number: none)."""
-    value = os.environ.get("TORCH_TRITON_GEMM_COMPILE_PROCESSES", "0")
-    return max(0, int(value)) if value.strip().isdigit() else 0
+    """TORCH_TRITON_GEMM_COMPILE_PROCESSES: worker processes compiling variants (0, the default:
+    none)."""
+    return env.integer("TORCH_TRITON_GEMM_COMPILE_PROCESSES", 0, least=0)
 
 
 class WorkerProcess:
@@ -398,7 +396,7 @@ def triton_fingerprint() -> Any:
 def background_switched_off() -> bool:
     """Whether TORCH_TRITON_GEMM_BACKGROUND_COMPILE=0 turns background compilation (and the
     fingerprint ahead) off."""
-    return os.environ.get("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", "1") == "0"
+    return not env.flag("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", True)
 
 
 def priming_enabled() -> bool:

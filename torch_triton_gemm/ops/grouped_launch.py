@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, NamedTuple
 
 import torch
 
 from .. import device as _device
-from .. import tuning
+from .. import env, tuning
 from ..kernels import wgmma_fp8
 from ..kernels.grouped import grouped_mm_kernel
 from .checks import check, check_operand_pair, check_value, input_precision
@@ -146,8 +145,8 @@ def check_bias(op: str, form: str, a: torch.Tensor, b: torch.Tensor, offs: torch
 def offs_check_mode() -> str:
     """'auto' (default: check offs' values where reading them needs no device sync), 'always'
     or 'never', from TORCH_TRITON_GEMM_CHECK_OFFS (read once)."""
-    value = os.environ.get(CHECK_OFFS_ENV, "auto").lower()
-    return {"1": "always", "always": "always", "0": "never", "never": "never"}.get(value, "auto")
+    return env.choice(CHECK_OFFS_ENV, {"auto": "auto", "always": "always", "1": "always",
+                                       "never": "never", "0": "never"}, "auto")
 
 
 def _holds_data(t: torch.Tensor) -> bool:
