@@ -1398,3 +1398,23 @@ def test_plan_sweep_launch_variants_vary_warps_and_stages_within_shared_memory()
     assert stages == {2, 3}  # deeper pipelines do not fit
     fp8 = tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tile)
     assert plans.with_launch_variants([fp8], 1, 232448) == [fp8]
+
+
+def test_fit_says_what_is_wrong_with_its_input(tmp_path, capsys):
+    """bench.fit on input that is not a plan sweep: a usage error naming the problem."""
+    from torch_triton_gemm.bench import fit
+
+    header_only = tmp_path / "empty.csv"
+    header_only.write_text("suite,name,M,N,K,us\n")
+    cases = [([], "give plan-sweep CSVs"), (["--check", str(tmp_path / "missing.csv")],
+                                              "No such file"),
+             (["--check", str(tmp_path)], "Is a directory"),
+             (["--check", str(header_only)], "no timed plans"),
+             (["--refit", "nosuch", "--check", str(header_only)], "--refit: one of")]
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    cases.append((["--check", str(tmp_path / "other.csv")], "not a plan-sweep CSV"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit):
+            fit.main(argv)
+        assert message in capsys.readouterr().err, argv
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -838,3 +839,48 @@ def test_background_compilation_gives_correct_results(monkeypatch, fresh_pool, t
         assert (got.double() - want).norm() <= 2e-2 * want.norm()
     fresh_pool.drain(60)
     assert all(f.exception() is None for f in fresh_pool._futures.values())
+
+
+def _bad_warmups() -> list[tuple[str, object, type[Exception], str]]:
+    linear = torch.nn.Linear(4, 4)
+    return [
+        ("negative size", lambda: tg.warmup([(-1, 8, 8)], progress=False), ValueError,
+         "M must be 0 or more, got -1"),
+        ("fractional size", lambda: tg.warmup([(8, 8.5, 8)], progress=False), ValueError,
+         "N must be a whole number, got 8.5"),
+        ("one shape, not a list", lambda: tg.warmup((8, 8, 8), progress=False), ValueError,
+         "for one product pass a list"),
+        ("two sizes", lambda: tg.warmup([(8, 8)], progress=False), ValueError,
+         "a shape is an (M, N, K) tuple"),
+        ("dict without K", lambda: tg.warmup([{"M": 8, "N": 8}], progress=False), ValueError,
+         "no K"),
+        ("activation", lambda: tg.warmup([{"M": 8, "N": 8, "K": 8, "activation": "tanh"}],
+                                         progress=False), ValueError, "unknown activation"),
+        ("float64", lambda: tg.warmup([(8, 8, 8)], dtype=torch.float64, progress=False),
+         ValueError, "not torch.float64"),
+        ("out dtype", lambda: tg.warmup([{"M": 8, "N": 8, "K": 8, "out_dtype": torch.int32}],
+                                        progress=False), ValueError, "out_dtype torch.int32"),
+        ("negative tokens", lambda: tg.warmup(linear, tokens=-3, progress=False), ValueError,
+         "tokens must be a whole number"),
+        ("bool tokens", lambda: tg.warmup(linear, tokens=True, progress=False), ValueError,
+         "tokens must be a whole number"),
+        ("not a device", lambda: tg.warmup([(8, 8, 8)], device="foo", progress=False),
+         ValueError, "'foo' is not a device"),
+        ("meta device", lambda: tg.warmup([(8, 8, 8)], device="meta", progress=False),
+         ValueError, "not meta"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_arguments_say_what_is_wrong(case):
+    name, call, error, message = _bad_warmups()[case]
+    with pytest.raises(error, match=re.escape("warmup: ") + ".*" + re.escape(message)):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without a CUDA GPU")
+def test_a_cuda_device_without_a_gpu_is_an_error():
+    with pytest.raises(RuntimeError, match="warmup: cuda:0 is not available"):
+        tg.warmup([(8, 8, 8)], device="cuda:0", progress=False)
+    with pytest.raises(SystemExit):
+        warming.main(["--shapes", "8x8x8", "--device", "cuda", "--quiet"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import operator
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,8 +24,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .kernels.tiles import ACTIVATIONS
 from .ops import compile_ahead
+from .ops.checks import OUT_DTYPES
 from .ops.compile_ahead import GemmSpec, OperandSpec
+from .ops.mm import INPUT_DTYPES
 
 LOG = logging.getLogger("torch_triton_gemm")
 
@@ -63,17 +67,55 @@ def shape_specs(shapes: Iterable[Shape], dtype: torch.dtype = torch.bfloat16,
         if isinstance(shape, Mapping):
             unknown = set(shape) - {"M", "N", "K", "dtype", "layout", "bias", "activation",
                                     "out_dtype", "device"}
-            if unknown:
-                raise ValueError(f"warmup: unknown shape keys {sorted(unknown)}")
+            missing = {"M", "N", "K"} - set(shape)
+            if unknown or missing:
+                raise ValueError(f"warmup: shape {dict(shape)}: "
+                                 + (f"unknown keys {sorted(unknown)}" if unknown else
+                                    f"no {', '.join(sorted(missing))}"))
+            activation = shape.get("activation", "none")
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"warmup: unknown activation {activation!r}; choose one of "
+                                 f"{ACTIVATIONS}")
+            out_dtype = _dtype(shape.get("out_dtype"))
+            if out_dtype is not None and out_dtype not in OUT_DTYPES:
+                raise ValueError(f"warmup: out_dtype {out_dtype} is not one of {OUT_DTYPES}")
             specs.append(compile_ahead.linear_spec(
-                int(shape["M"]), int(shape["N"]), int(shape["K"]),
-                _dtype(shape.get("dtype", dtype)), shape.get("device", device),
-                shape.get("layout", layout), bool(shape.get("bias", False)),
-                shape.get("activation", "none"), _dtype(shape.get("out_dtype"))))
+                *(_size(shape[name], name) for name in "MNK"),
+                _input_dtype(shape.get("dtype", dtype)),
+                _default_device(shape["device"]) if "device" in shape else device,
+                shape.get("layout", layout), bool(shape.get("bias", False)), activation,
+                out_dtype))
         else:
-            M, N, K = (int(n) for n in shape)
-            specs.append(compile_ahead.linear_spec(M, N, K, dtype, device, layout))
+            try:
+                M, N, K = shape
+            except (TypeError, ValueError):
+                raise ValueError(f"warmup: a shape is an (M, N, K) tuple or a dict with M, N "
+                                 f"and K, got {shape!r} (for one product pass a list: "
+                                 f"[(M, N, K)])") from None
+            specs.append(compile_ahead.linear_spec(
+                _size(M, "M"), _size(N, "N"), _size(K, "K"), _input_dtype(dtype), device,
+                layout))
     return specs
+
+
+def _size(value: Any, what: str) -> int:
+    """A product's size: a whole number, 0 or more."""
+    if isinstance(value, bool):
+        raise ValueError(f"warmup: {what} must be a whole number, got {value!r}")
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise ValueError(f"warmup: {what} must be a whole number, got {value!r}") from None
+    if size < 0:
+        raise ValueError(f"warmup: {what} must be 0 or more, got {size}")
+    return size
+
+
+def _input_dtype(value: torch.dtype | str) -> torch.dtype:
+    dtype = _dtype(value)
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"warmup: tgemm::mm takes {INPUT_DTYPES} operands, not {dtype}")
+    return dtype
 
 
 def model_specs(model: torch.nn.Module, tokens: int | Iterable[int] | None = None,
@@ -91,7 +133,12 @@ def model_specs(model: torch.nn.Module, tokens: int | Iterable[int] | None = Non
     if tokens is None:
         raise ValueError("warmup: a model needs tokens= (rows of its inputs, batch x sequence) "
                          "or example_input= (one forward is run to record its products)")
-    counts = [tokens] if isinstance(tokens, int) else list(tokens)
+    try:
+        counts = [_size(tokens, "tokens")] if not isinstance(tokens, Iterable) else [
+            _size(count, "tokens") for count in tokens]
+    except ValueError:
+        raise ValueError(f"warmup: tokens must be a whole number of rows or a list of them, "
+                         f"0 or more, got {tokens!r}") from None
     specs = []
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -272,9 +319,25 @@ def _progress(total: int) -> Any:
 
 
 def _default_device(device: torch.device | str | None) -> torch.device:
+    """The device to warm up for: by default CUDA where there is a GPU, else the CPU; a named
+    one must be a device tgemm runs on that exists here."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"warmup: {device!r} is not a device ({error})") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"warmup: {chosen} is not available: this process sees no CUDA "
+                               "GPU")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ValueError(f"warmup: {chosen} does not exist: this process sees "
+                             f"{torch.cuda.device_count()} CUDA devices")
+    elif chosen.type != "cpu":
+        raise ValueError(f"warmup: tgemm runs on CUDA devices (and on the CPU under Triton's "
+                         f"interpreter), not {chosen}")
+    return chosen
 
 
 def _dtype(value: torch.dtype | str | None) -> Any:
@@ -320,8 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     shapes = [{"M": M, "N": N, "K": K, "bias": args.bias} for M, N, K in args.shapes]
-    result = warmup(shapes, dtype=args.dtype, device=args.device, layout=args.layout,
-                    backward=not args.no_backward, progress=not args.quiet)
+    try:
+        result = warmup(shapes, dtype=args.dtype, device=args.device, layout=args.layout,
+                        backward=not args.no_backward, progress=not args.quiet)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
     device = _default_device(args.device)
     print(f"torch_triton_gemm.warmup: {result.products} products, {result.variants} kernel "
           f"variants, {result.compiled} compiled in {result.seconds:.1f} s on {device}"

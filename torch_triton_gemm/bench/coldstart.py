@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile in N worker processes "
                              "(TORCH_TRITON_GEMM_COMPILE_PROCESSES)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available():
+        parser.error("the cold-start measurement needs a CUDA GPU")
     if args.compile_processes is not None:
         # Read when the compile pool starts its workers, on the first compilation.
         os.environ["TORCH_TRITON_GEMM_COMPILE_PROCESSES"] = str(args.compile_processes)

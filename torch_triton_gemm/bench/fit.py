@@ -18,7 +18,7 @@ import math
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,29 +51,45 @@ class Timed:
     size_hints: bool = False
 
 
+_COST_KERNELS = ("portable", "portable-narrow", "portable-mcol", "tma")
+
+
 def read(paths: Sequence[str]) -> list[Timed]:
-    """The timed (error-free) plans of plan-sweep CSVs."""
+    """The timed (error-free) plans of plan-sweep CSVs. Raises KeyError (a missing column) or
+    ValueError (a value that is no number) for a CSV that is not a plan sweep, with its path."""
     rows = []
     for path in paths:
         with open(path, newline="") as file:
-            for r in csv.DictReader(file):
-                if not r["us"]:
-                    continue
-                tile = tuning.TileConfig(*(int(r[f]) for f in (
-                    "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))
-                pad = {"True": True, "False": False}.get(r["pad"])
-                plan = tuning.MMPlan(r["kernel"], tile, int(r["split_k"]), False,
-                                     int(r["epilogue_subtile"]), r["split_tail"] == "True",
-                                     1, int(r["stream_k"]), pad,
-                                     r.get("split_fixup") == "True")
-                shape = (path, r["suite"], r["name"], r["M"], r["N"], r["K"], r["a_layout"],
-                         r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
-                rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
-                                  1 if r["dtype"].startswith("fp8") else 2,
-                                  r["aligned"] == "True", plan, narrow_row(r),
-                                  r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
-                                  float(r["cublas_us"]), r["heuristic"] == "True",
-                                  r.get("pitch_hints") == "True", r.get("size_hints") == "True"))
+            try:
+                rows += _timed_rows(path, csv.DictReader(file))
+            except KeyError as error:
+                raise KeyError(f"{path}: no column {error}") from None
+            except ValueError as error:
+                raise ValueError(f"{path}: {error}") from None
+    return rows
+
+
+def _timed_rows(path: str, reader: Iterable[dict[str, str]]) -> list[Timed]:
+    """The timed rows of one plan-sweep CSV's ``reader``."""
+    rows = []
+    for r in reader:
+        if not r["us"]:
+            continue
+        tile = tuning.TileConfig(*(int(r[f]) for f in (
+            "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))
+        pad = {"True": True, "False": False}.get(r["pad"])
+        plan = tuning.MMPlan(r["kernel"], tile, int(r["split_k"]), False,
+                             int(r["epilogue_subtile"]), r["split_tail"] == "True",
+                             1, int(r["stream_k"]), pad,
+                             r.get("split_fixup") == "True")
+        shape = (path, r["suite"], r["name"], r["M"], r["N"], r["K"], r["a_layout"],
+                 r["b_layout"], r.get("a_pad", ""), r.get("b_pad", ""), r["dtype"])
+        rows.append(Timed(shape, int(r["M"]), int(r["N"]), int(r["K"]),
+                          1 if r["dtype"].startswith("fp8") else 2,
+                          r["aligned"] == "True", plan, narrow_row(r),
+                          r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
+                          float(r["cublas_us"]), r["heuristic"] == "True",
+                          r.get("pitch_hints") == "True", r.get("size_hints") == "True"))
     return rows
 
 
@@ -250,7 +266,7 @@ def costs_source(costs: plan_model.Costs) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.fit",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", nargs="*", default=[], help="plan-sweep CSVs to fit on")
     parser.add_argument("--check", nargs="*", default=[], help="plan-sweep CSVs to judge on")
     parser.add_argument("--num-sms", type=int, default=132)
@@ -259,9 +275,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "portable, portable-narrow, portable-mcol, tma) on the fit files' "
                              "rows of it; every other constant stays plan_model.H100_COSTS's")
     args = parser.parse_args(argv)
+    if not args.fit and not args.check:
+        parser.error("give plan-sweep CSVs to --fit on and/or to --check")
+    if args.refit is not None and args.refit not in _COST_KERNELS:
+        parser.error(f"--refit: one of {', '.join(_COST_KERNELS)}, not {args.refit!r}")
+    try:
+        fitted = {path: read([path]) for path in (*args.fit, *args.check)}
+    except OSError as error:
+        parser.error(str(error))
+    except (KeyError, ValueError) as error:
+        parser.error(f"not a plan-sweep CSV (python -m torch_triton_gemm.bench.plans writes "
+                     f"them): {error}")
+    for path, timed in fitted.items():
+        if not timed:
+            parser.error(f"{path}: no timed plans")
     costs = plan_model.H100_COSTS
     if args.fit:
-        rows = current_kernels(read(args.fit))
+        rows = current_kernels([row for path in args.fit for row in fitted[path]])
         if args.refit is not None:
             costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
         else:
@@ -271,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check(costs, rows)
     for path in args.check:
         print(f"check {path}:")
-        check(costs, read([path]))
+        check(costs, fitted[path])
     return 0
 
 
