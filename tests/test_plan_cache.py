@@ -211,6 +211,9 @@ def test_a_lock_held_elsewhere_blocks_no_reader_and_writers_give_up(cache_dir, m
         assert time.monotonic() - start < 0.2
         tuned.put(GPU, OTHER, ours)
         assert 0.3 <= time.monotonic() - start < 5
+        start = time.monotonic()
+        tuned.put(GPU, KEY, stored)  # the lock is still held: no second wait
+        assert time.monotonic() - start < 0.2
     finally:
         os.close(holder)
     assert tuned.get(GPU, OTHER) == ours and tuned.get(GPU, KEY) == stored

@@ -67,11 +67,13 @@ def cache_dir() -> Path:
     (``~`` expanded, relative to the working directory if relative), else
     ``$XDG_CACHE_HOME/torch_triton_gemm`` where that is an absolute path (the XDG rule: an empty
     or relative one is ignored), else ``~/.cache/torch_triton_gemm``."""
+    # os.path.expanduser leaves "~" as it is where there is no home directory (no HOME, a
+    # user without a passwd entry, as in containers); Path.expanduser would raise.
     chosen = os.environ.get(_CACHE_DIR_ENV)
     if chosen:
-        return Path(chosen).expanduser().absolute()
+        return Path(os.path.expanduser(chosen)).absolute()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()
+    base = Path(xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache"))
     return base / "torch_triton_gemm"
 
 
@@ -94,6 +96,9 @@ class TunedPlans:
         # Plans tuned here that are not on disk yet: merged into the file at the next write.
         self._unsaved: dict[Path, dict[str, MMPlan]] = {}
         self._warned: set[tuple[Path, str]] = set()
+        # Files whose lock a write waited LOCK_TIMEOUT_S for: later writes try it without
+        # waiting (its holder may be stopped for good), until one gets it.
+        self._contended: set[Path] = set()
         self._lock = threading.RLock()
         self.version = 0
 
@@ -135,16 +140,22 @@ class TunedPlans:
     def _write(self, path: Path, unsaved: dict[str, MMPlan]) -> dict[str, MMPlan]:
         """Merge ``unsaved`` into the file under its lock; returns the table written."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _file_lock(path, writing=True):
-            merged = {**self._read(path, locked=True), **unsaved}
-            tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-            try:
-                tmp.write_text(json.dumps(
-                    {k: dataclasses.asdict(p) for k, p in sorted(merged.items())}, indent=1))
-                os.replace(tmp, path)  # atomic: readers never see a torn file
-            finally:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
+        try:
+            with _file_lock(path, writing=True, wait=path not in self._contended):
+                self._contended.discard(path)
+                merged = {**self._read(path, locked=True), **unsaved}
+                tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+                try:
+                    tmp.write_text(json.dumps(
+                        {k: dataclasses.asdict(p) for k, p in sorted(merged.items())},
+                        indent=1))
+                    os.replace(tmp, path)  # atomic: readers never see a torn file
+                finally:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink(missing_ok=True)
+        except TimeoutError:  # (the lock's: nothing in the block waits)
+            self._contended.add(path)
+            raise
         return merged
 
     def _read(self, path: Path, locked: bool = False) -> dict[str, MMPlan]:
@@ -190,10 +201,11 @@ class TunedPlans:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path, writing: bool) -> Iterator[None]:
+def _file_lock(path: Path, writing: bool, wait: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on ``path``'s sibling ``.lock`` file where ``fcntl`` exists. A
     reader that cannot create the lock file (no directory, a read-only cache) goes on without
-    it; a writer raises OSError, as does anyone who waited ``LOCK_TIMEOUT_S`` for it."""
+    it; a writer raises OSError, as does anyone who waited ``LOCK_TIMEOUT_S`` for it (or, with
+    ``wait=False``, found it held)."""
     fd = None
     lock = path.with_name(path.name + ".lock")
     if fcntl is not None:
@@ -204,7 +216,7 @@ def _file_lock(path: Path, writing: bool) -> Iterator[None]:
                 raise
     try:
         if fd is not None:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
+            deadline = time.monotonic() + (LOCK_TIMEOUT_S if wait else 0.0)
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -68,10 +68,12 @@ def shape_specs(shapes: Iterable[Shape], dtype: torch.dtype = torch.bfloat16,
             unknown = set(shape) - {"M", "N", "K", "dtype", "layout", "bias", "activation",
                                     "out_dtype", "device"}
             missing = {"M", "N", "K"} - set(shape)
-            if unknown or missing:
-                raise ValueError(f"warmup: shape {dict(shape)}: "
-                                 + (f"unknown keys {sorted(unknown)}" if unknown else
-                                    f"no {', '.join(sorted(missing))}"))
+            if unknown:
+                raise ValueError(f"warmup: unknown shape keys {sorted(unknown)} in "
+                                 f"{dict(shape)}")
+            if missing:
+                raise ValueError(f"warmup: shape {dict(shape)} has no "
+                                 f"{', '.join(sorted(missing))}")
             activation = shape.get("activation", "none")
             if activation not in ACTIVATIONS:
                 raise ValueError(f"warmup: unknown activation {activation!r}; choose one of "
@@ -99,7 +101,12 @@ def shape_specs(shapes: Iterable[Shape], dtype: torch.dtype = torch.bfloat16,
 
 
 def _size(value: Any, what: str) -> int:
-    """A product's size: a whole number, 0 or more."""
+    """A product's size: a whole number, 0 or more (also written as 4096.0 or "4096", as
+    computed or configuration files give them)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
     if isinstance(value, bool):
         raise ValueError(f"warmup: {what} must be a whole number, got {value!r}")
     try:
@@ -384,9 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shapes = [{"M": M, "N": N, "K": K, "bias": args.bias} for M, N, K in args.shapes]
     try:
+        _default_device(args.device)
         result = warmup(shapes, dtype=args.dtype, device=args.device, layout=args.layout,
                         backward=not args.no_backward, progress=not args.quiet)
-    except (ValueError, RuntimeError) as error:
+    except ValueError as error:
+        parser.error(str(error))
+    except RuntimeError as error:  # the device's checks only: others are not usage errors
+        if not str(error).startswith("warmup:"):
+            raise
         parser.error(str(error))
     device = _default_device(args.device)
     print(f"torch_triton_gemm.warmup: {result.products} products, {result.variants} kernel "

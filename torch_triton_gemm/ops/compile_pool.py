@@ -100,7 +100,7 @@ class CompilePool:
         least one and at most 8."""
         if self._workers is not None:
             return self._workers
-        threads = env.integer("TORCH_TRITON_GEMM_COMPILE_THREADS", 0, least=1)
+        threads = env.integer("TORCH_TRITON_GEMM_COMPILE_THREADS", 0, least=0)  # 0: this rule
         return threads or compile_processes() or max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def prime(self, job: Callable[[], Any]) -> None:

@@ -146,7 +146,8 @@ def offs_check_mode() -> str:
     """'auto' (default: check offs' values where reading them needs no device sync), 'always'
     or 'never', from TORCH_TRITON_GEMM_CHECK_OFFS (read once)."""
     return env.choice(CHECK_OFFS_ENV, {"auto": "auto", "always": "always", "1": "always",
-                                       "never": "never", "0": "never"}, "auto")
+                                       "true": "always", "never": "never", "0": "never",
+                                       "false": "never"}, "auto")
 
 
 def _holds_data(t: torch.Tensor) -> bool:
