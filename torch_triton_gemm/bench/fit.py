@@ -51,9 +51,6 @@ class Timed:
     size_hints: bool = False
 
 
-_COST_KERNELS = ("portable", "portable-narrow", "portable-mcol", "tma")
-
-
 def read(paths: Sequence[str]) -> list[Timed]:
     """The timed (error-free) plans of plan-sweep CSVs. Raises KeyError (a missing column) or
     ValueError (a value that is no number) for a CSV that is not a plan sweep, with its path."""
@@ -277,8 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.fit and not args.check:
         parser.error("give plan-sweep CSVs to --fit on and/or to --check")
-    if args.refit is not None and args.refit not in _COST_KERNELS:
-        parser.error(f"--refit: one of {', '.join(_COST_KERNELS)}, not {args.refit!r}")
+    cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles})
+    if args.refit is not None and args.refit not in cost_kernels:
+        parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:
         fitted = {path: read([path]) for path in (*args.fit, *args.check)}
     except OSError as error:

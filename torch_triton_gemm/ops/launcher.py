@@ -24,7 +24,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels import wgmma_fp8
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
-from .checks import check, input_precision, needs_int64_indexing
+from .checks import ceil_div, check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, variant_key
 from .operands import Pad, kernel_operands
 
@@ -171,7 +171,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         )
         stages = None
         if kernel is mm_kernel and type(k_per_split) is int:
-            stages = tuning.pipeline_stages(tile.num_stages, -(-k_per_split // tile.block_k))
+            stages = tuning.pipeline_stages(tile.num_stages, ceil_div(k_per_split, tile.block_k))
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
                                   split_k if fixup else 0, aligns, stages)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
