@@ -158,7 +158,7 @@ portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N
 _FIXUP_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
 constants.update(HAS_BIAS=True, ACTIVATION="gelu", SPLIT=True, SPLIT_FIXUP=True, SPLIT_K=4)
 tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=1,
-           STREAM_K=False)
+           STREAM_K=False, HOST_DESCRIPTORS=False, c_host_desc=None)
 for kernel, extra in ((mm_kernel, portable), (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=False)),
                       (mm_tma_kernel, dict(tma, WARP_SPECIALIZE=True))):
     compiled = compile_for(kernel, pointers, {**constants, **extra},

@@ -678,6 +678,9 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["EPILOGUE_SUBTILE"] = plan.epilogue_subtile
         meta["WARP_SPECIALIZE"] = plan.warp_specialize
         meta["STREAM_K"] = stream_k
+        # Descriptors built on the device (ops/graph_descriptors.py passes host-built ones).
+        meta["HOST_DESCRIPTORS"] = False
+        meta["c_host_desc"] = None
     else:
         (meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"],
          meta["M_ALIGN"], meta["N_ALIGN"]) = aligns

@@ -40,7 +40,7 @@ from .. import tuning
 from . import fit, suites
 from .gemm import DTYPES, make_operands
 from .suites import Case, ScaledCase
-from .timing import calls_per_batch, capture_graph, operand_copies, time_batches
+from .timing import calls_per_batch, capture_graph, operand_copies, settle, time_batches
 
 FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pad", "class",
           "recipe", "accum", "dtype", "aligned",
@@ -290,6 +290,7 @@ def time_case(case: AnyCase, dtype: str, plans: list[tuning.MMPlan], aligned: bo
                     out.fill_(math.nan)
                     p.launch(plan)
                     row["rel_err"] = f"{_relative_error(out, ref):.2e}"
+                    settle(lambda plan=plan: p.launch(plan))
                 best[index] = min(best[index], kernel_us(
                     lambda *args, plan=plan: p.launch(plan, *args, out=torch.empty_like(out)),
                     p.args, rep_ms))

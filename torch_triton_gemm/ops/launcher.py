@@ -24,6 +24,7 @@ from .. import device as _device
 from .. import tuning
 from ..kernels import wgmma_fp8
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
+from . import graph_descriptors
 from .checks import ceil_div, check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, variant_key
 from .operands import Pad, kernel_operands
@@ -245,9 +246,17 @@ def _builds_descriptors(prepared: PreparedLaunch) -> bool:
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                bias: torch.Tensor | None, out: torch.Tensor, scale_a: torch.Tensor | None,
-               scale_b: torch.Tensor | None, traceable: bool) -> None:
+               scale_b: torch.Tensor | None, traceable: bool) -> bool:
     """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
-    are the scales of a prepared scaled product, else None."""
+    are the scales of a prepared scaled product, else None. Whether the host-descriptor
+    variants of its persistent TMA kernel launches are settled: loaded, for a CUDA graph's
+    capture of the same launches to run, or never to be (graph_descriptors.prepare)."""
+    # Eager launches of the persistent TMA kernel: captured ones take host-built descriptors
+    # where that variant is loaded; others prepare it (graph_descriptors).
+    host_descriptors = (prepared.kernel is mm_tma_kernel and not traceable
+                        and not _INTERPRETED and a.device.type == "cuda")
+    capturing = host_descriptors and torch._C._cuda_isCurrentStreamCapturing()
+    host_settled = not capturing  # (a capture prepares nothing)
     if _builds_descriptors(prepared):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if prepared.pads is not None:
@@ -264,14 +273,20 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
         locks = split_counters(prepared.counters_shape[0], a.device, traceable)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 2)
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
-        launch_kernel(prepared.kernel, grid,
-                      (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args), meta,
-                      traceable,
-                      cache)
+        args = (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args)
+        if capturing and not _launch_hooks_set() and graph_descriptors.launch_captured(
+                prepared.kernel, grid, args, meta, _current_device(),
+                _current_stream(_current_device())):
+            continue
+        launch_kernel(prepared.kernel, grid, args, meta, traceable, cache)
+        if host_descriptors and not capturing:
+            host_settled &= graph_descriptors.prepare(prepared.kernel, grid, args, meta,
+                                                      _current_device())
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
                       traceable, caches[-2])
+    return host_settled
 
 
 # Buffers a GEMM launch uses only while it runs (split-K partials; counters of splits that
@@ -480,14 +495,20 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     small GEMM is mostly this path's."""
     device = _current_device() if not _INTERPRETED else None
     direct = prepared.compiled[-1].get(device)
-    if direct is None or _launch_hooks_set():  # (hooks: Triton's JIT path calls them)
-        run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
+    if direct is None or _launch_hooks_set() or (
+            # The persistent TMA kernel until its host-descriptor variant is loaded, and in
+            # CUDA graph captures, which launch that variant (graph_descriptors).
+            direct.tma_host is not None and (
+                not direct.tma_host[0] or torch._C._cuda_isCurrentStreamCapturing())):
+        host_settled = run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
         if direct is None and device is not None:
             direct = _direct_launches(prepared, device)
-            if direct is not None:
-                prepared.compiled[-1][device] = direct
+        if direct is not None and direct.tma_host is not None:
+            direct.tma_host[0] = host_settled
+        if direct is not None:
+            prepared.compiled[-1][device] = direct
         return
-    gemm, reduce, workspace_shape, locks_shape, tma = direct
+    gemm, reduce, workspace_shape, locks_shape, tma, _ = direct
     workspace = locks = None
     if workspace_shape is not None:
         workspace = split_workspace(workspace_shape, a.device, False)
@@ -519,6 +540,9 @@ class _DirectLaunches(NamedTuple):
     workspace_shape: tuple[int, ...] | None
     locks_shape: tuple[int] | None
     tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
+    # The persistent TMA kernel's: [whether its host-descriptor variants are settled] (loaded,
+    # or never to be), which run_launch works towards until then; None for other kernels.
+    tma_host: list[bool] | None
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
@@ -548,7 +572,8 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
                  for (_, _, runtime_args), cache in zip(prepared.launches, caches))
     reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
-                           _builds_descriptors(prepared))
+                           _builds_descriptors(prepared),
+                           [False] if prepared.kernel is mm_tma_kernel else None)
 
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack

@@ -1,0 +1,273 @@
+"""Host-built TMA descriptors for CUDA-graph captures of the persistent TMA kernel
+(ops/graph_descriptors.py): the same bits as device-built ones for every form of the kernel's
+launch, the variant's life (compiled in the background, loaded outside a capture, used by
+captures), and on a GPU a captured tgemm.mm that runs it.
+
+Without a GPU the host-descriptor launches run in Triton's interpreter, which implements host
+descriptors as it implements device ones.
+"""
+
+from __future__ import annotations
+
+import types
+from concurrent.futures import Future
+
+import pytest
+import torch
+from samples import make_operand, reference, rel_error
+from test_plans import PLANS, _poisoned
+
+import torch_triton_gemm as tg
+from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm.ops import graph_descriptors, launcher
+from torch_triton_gemm.ops.compile_pool import variant_key
+
+TMA_PLANS = [name for name, plan in PLANS.items() if plan.kernel == "tma"]
+# (M, N, K) with 16-byte pitches in every layout (TMA's rule), edges in every dimension and a K
+# that leaves a ragged last split.
+SHAPES = [(40, 48, 104), (8, 40, 96), (24, 8, 64), (72, 64, 160)]
+
+
+def _launch(prepared, a, b, out, host: bool) -> None:  # type: ignore[no-untyped-def]
+    """Launch ``prepared`` as run_launch does, with host-built descriptors where ``host``."""
+    tgemm_device.install_tma_allocator()  # (device-built descriptors need Triton's allocator)
+    workspace = locks = None
+    if prepared.workspace_shape is not None:
+        workspace = launcher.split_workspace(prepared.workspace_shape, a.device, True)
+    if prepared.locks_shape is not None:
+        locks = torch.zeros(prepared.locks_shape, device=a.device, dtype=torch.int32)
+    elif prepared.counters_shape is not None:
+        locks = launcher.split_counters(prepared.counters_shape[0], a.device, True)
+    for grid, meta, runtime_args in prepared.launches:
+        args = (a, b, out, None, workspace, locks, None, None, *runtime_args)
+        if host:
+            described = graph_descriptors.describe(args, meta)
+            assert described is not None
+            args, meta = described
+        launcher.launch_kernel(prepared.kernel, grid, args, meta, False, None)
+    if prepared.reduce is not None:
+        grid, runtime_args, meta = prepared.reduce
+        launcher.launch_kernel(launcher.splitk_reduce_kernel, grid,
+                               (workspace, out, None, *runtime_args), meta, False, None)
+
+
+@pytest.mark.parametrize("plan", TMA_PLANS)
+def test_host_descriptors_give_the_device_descriptors_bits(device, plan):
+    """Every form of the persistent TMA kernel's launch (splits, tail splits, splits that finish
+    their tiles, stream-K, subtiled epilogues) in every layout TMA describes: the launch with
+    host-built descriptors writes what the device-built one writes, bit for bit."""
+    for layout in ("row", "col", "nt"):
+        for m, n, k in SHAPES:
+            a = make_operand(m, k, torch.float16, device, layout, "a")
+            b = make_operand(k, n, torch.float16, device, layout, "b")
+            out = _poisoned(m, n, torch.float16, device)
+            prepared = launcher.prepare_launch(a, b, None, out, "none", False, PLANS[plan],
+                                               None)
+            assert prepared.kernel is launcher.mm_tma_kernel, (layout, m, n, k)
+            _launch(prepared, a, b, out, host=False)
+            device_built = out.clone()
+            out.fill_(float("nan"))
+            _launch(prepared, a, b, out, host=True)
+            assert torch.equal(out, device_built), (layout, m, n, k)
+            assert rel_error(out, reference(a, b)) <= 1e-2, (layout, m, n, k)
+
+
+def test_nothing_to_describe_without_k():
+    a, b = torch.empty(4, 0, dtype=torch.float16), torch.empty(0, 8, dtype=torch.float16)
+    out = torch.empty(4, 8, dtype=torch.float16)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
+            "B_K_CONTIGUOUS": False, "C_TMA": True, "EPILOGUE_SUBTILE": 1}
+    args = (a, b, out, None, None, None, None, None, 4, 8, 0, 0, 1, 8, 1, 8)
+    assert graph_descriptors.describe(args, meta) is None
+
+
+class _Compiled:
+    """A compiled kernel as the launcher sees one: loads once, records its launches."""
+
+    def __init__(self) -> None:
+        self.loads, self.launches = 0, []
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def _init_handles(self) -> None:
+        self.loads += 1
+
+    def run(self, *args) -> None:  # type: ignore[no-untyped-def]
+        self.launches.append(args)
+
+
+class _Kernel:
+    """A Triton kernel as graph_descriptors sees one: parameters, and warmup from its cache."""
+
+    def __init__(self) -> None:
+        self.params = [types.SimpleNamespace(name=name, default=default) for name, default in
+                       (("a_ptr", None), ("b_ptr", None), ("c_ptr", None), ("bias_ptr", None),
+                        ("ws_ptr", None), ("locks_ptr", None), ("sa_ptr", None),
+                        ("sb_ptr", None), ("M", None), ("N", None), ("K", None),
+                        ("stride_am", None), ("stride_ak", None), ("stride_bk", None),
+                        ("stride_bn", None), ("stride_cm", None), ("BLOCK_M", None),
+                        ("HOST_DESCRIPTORS", False), ("c_host_desc", None))]
+        self.compiled = _Compiled()
+        self.warmups = []
+
+    def warmup(self, *args, grid, **meta):  # type: ignore[no-untyped-def]
+        self.warmups.append((args, grid, meta))
+        return self.compiled
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.busy, self.jobs = False, []
+
+    def submit(self, key, *job):  # type: ignore[no-untyped-def]
+        future: Future = Future()
+        self.jobs.append((key, job, future))
+        return future
+
+
+def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_captured(
+        monkeypatch):
+    """prepare() after eager launches: nothing while the compile pool is busy (kernels that
+    calls wait for come first), then one background compile, then loading the compiled variant
+    (which a capture could not do); launch_captured() runs it only once it is loaded, with this
+    call's descriptors and the kernel's other arguments in order."""
+    pool = _Pool()
+    monkeypatch.setattr(graph_descriptors, "POOL", pool)
+    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    kernel = _Kernel()
+    a, b = torch.randn(24, 40, dtype=torch.float16), torch.randn(40, 16, dtype=torch.float16)
+    out = torch.empty(24, 16, dtype=torch.float16)
+    args = (a, b, out, None, None, None, None, None, 24, 16, 40, 40, 1, 16, 1, 16)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
+            "B_K_CONTIGUOUS": False, "C_TMA": True, "EPILOGUE_SUBTILE": 2,
+            "HOST_DESCRIPTORS": False, "c_host_desc": None}
+
+    def captured() -> bool:
+        return graph_descriptors.launch_captured(kernel, (3,), args, meta, 0, 7)
+
+    pool.busy = True
+    assert not graph_descriptors.prepare(kernel, (3,), args, meta, 0) and not pool.jobs
+    pool.busy = False
+    assert not graph_descriptors.prepare(kernel, (3,), args, meta, 0)
+    assert len(pool.jobs) == 1
+    key, job, future = pool.jobs[0]
+    assert key == ("host descriptors", *variant_key(kernel, args, meta, 0))
+    assert job[0] is kernel and job[1] == (3,) and job[4] == 0
+    host_args, host_meta = job[2], job[3]
+    assert host_meta["HOST_DESCRIPTORS"] and host_meta["c_host_desc"].block_shape == [16, 8]
+    assert host_args[0].base is a and host_args[0].shape == [24, 40]
+    assert host_args[1].base is b and host_args[1].block_shape == [32, 16]
+    assert host_args[2:] == args[2:]
+    # Compiling: not yet, and captures launch the device-descriptor variant.
+    assert not graph_descriptors.prepare(kernel, (3,), args, meta, 0) and len(pool.jobs) == 1
+    assert not captured() and kernel.compiled.loads == 0
+    future.set_result(None)
+    assert graph_descriptors.prepare(kernel, (3,), args, meta, 0)
+    assert kernel.compiled.loads == 1 and len(kernel.warmups) == 1
+    assert graph_descriptors.prepare(kernel, (3,), args, meta, 0)  # settled: nothing more
+    assert kernel.compiled.loads == 1 and len(kernel.warmups) == 1
+    assert captured()
+    (launch,) = kernel.compiled.launches
+    assert launch[:9] == (3, 1, 1, 7, "function", "metadata", None, None, None)
+    assert launch[9].base is a and launch[10].base is b and launch[11:25] == args[2:]
+    assert launch[25] == 16 and launch[26] is True  # BLOCK_M, HOST_DESCRIPTORS
+    assert launch[27].base is out and launch[27].block_shape == [16, 8]
+
+
+def test_a_host_variant_that_fails_to_compile_is_settled_without_it(monkeypatch):
+    pool = _Pool()
+    monkeypatch.setattr(graph_descriptors, "POOL", pool)
+    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    kernel = _Kernel()
+    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
+    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
+            8, 8, 32, 32, 1, 8, 1, 8)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
+            "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
+    assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+    pool.jobs[0][2].set_exception(RuntimeError("out of resources"))
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+    assert not graph_descriptors.launch_captured(kernel, (1,), args, meta, 0, 7)
+    assert not kernel.warmups and not kernel.compiled.launches
+    # Background compilation switched off: settled at once, nothing submitted.
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: True)
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["tma", "tma-split3-fixup", "tma-stream-k", "tma-subtile"])
+def test_gpu_captured_tgemm_runs_host_descriptors(plan, monkeypatch):
+    """On a GPU: eager tgemm.mm calls of a TMA plan until its host-descriptor variant is
+    loaded, then a CUDA graph capture launches it (not the device-descriptor variant); replays
+    on new operands give the eager call's bits."""
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    captured = []
+    launch_captured = graph_descriptors.launch_captured
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        captured.append(launch_captured(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(graph_descriptors, "launch_captured", spy)
+    a = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(200, 520, device="cuda", dtype=torch.bfloat16)
+    with tg.tuning.force_plan(PLANS[plan]):
+        for _ in range(50):
+            tg.mm(a, w.t())
+            launcher.POOL.drain()
+            if any(isinstance(state, graph_descriptors._Loaded)
+                   for state in graph_descriptors._VARIANTS.values()):
+                break
+        eager = tg.mm(a, w.t())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tg.mm(a, w.t())
+    assert captured and all(captured), captured
+    a.copy_(torch.randn_like(a))
+    w.copy_(torch.randn_like(w))
+    graph.replay()
+    with tg.tuning.force_plan(PLANS[plan]):
+        expected = tg.mm(a, w.t())
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and not torch.equal(out, eager)
+    assert rel_error(out, reference(a, w.t())) <= 1e-2
+
+
+_HOST_COMPILE_SCRIPT = """
+from hopper_compile import compile_for
+from torch_triton_gemm.kernels.matmul import mm_tma_kernel
+
+pointers = {"a_ptr": "tensordesc<bf16[64, 64]>", "b_ptr": "tensordesc<bf16[64, 64]>",
+            "c_ptr": "*bf16", "bias_ptr": "*bf16", "ws_ptr": "*fp32", "locks_ptr": "*i32",
+            "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_host_desc": "tensordesc<bf16[64, 32]>"}
+constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
+                 INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
+                 SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1,
+                 A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2,
+                 STREAM_K=False, WARP_SPECIALIZE=False)
+for host in (True, False):
+    if not host:
+        pointers.update(a_ptr="*bf16", b_ptr="*bf16")
+    for warp_specialize in (False, True):
+        flags = dict(HOST_DESCRIPTORS=host, WARP_SPECIALIZE=warp_specialize)
+        if not host:
+            flags["c_host_desc"] = None
+        compiled = compile_for(mm_tma_kernel, pointers, dict(constants, **flags),
+                               ["c_ptr"] if host else ["a_ptr", "b_ptr", "c_ptr"],
+                               num_warps=4, num_stages=3)
+        ptx = compiled.asm["ptx"]
+        print(host, "cp.async.bulk.tensor" in ptx, "tensormap.replace" in ptx)
+"""
+
+
+def test_host_descriptor_variant_compiles_for_hopper():
+    """The sm_90 build with host-built descriptors loads and stores by TMA and builds no
+    descriptor on the device (no tensormap.replace); the default build does build them."""
+    from test_mm import _run_without_interpreter
+
+    lines = _run_without_interpreter(_HOST_COMPILE_SCRIPT).splitlines()
+    assert lines == ["True True False"] * 2 + ["False True True"] * 2

@@ -1,0 +1,144 @@
+"""Host-built TMA descriptors for the persistent TMA kernel's launches that a CUDA graph captures.
+
+``mm_tma_kernel`` builds its TMA descriptors on the device (kernels/tma.py): that works under
+tracing, torch.compile and CUDA graphs alike, but each program spends about 0.8 us per
+descriptor before its first load (H100, kernel-only, a bare persistent TMA GEMM at 64^3: 4.9 us
+with three device-built descriptors, 2.6 us with host-built ones, 2.3 us with plain pointers).
+Host-built descriptors cost host time at every launch instead (the launcher encodes them), which
+an eager small GEMM cannot spare, but a launch captured into a CUDA graph pays it once, at
+capture. So captured launches pass descriptors built here (the kernel's HOST_DESCRIPTORS).
+
+That is another compiled variant of the kernel, and no kernel can be loaded while a stream is
+capturing (cuModuleLoadData is prohibited there). So the host-descriptor variant of a launch is
+compiled in the background once an eager launch of the same variant has run and the compile pool
+is idle, loaded by a later eager launch, and used by captures from then on; until then a capture
+launches the device-descriptor variant, which gives the same bits (the descriptors describe the
+same tensors; only where they are built differs). Launches that tracing records (wrap_triton,
+torch.compile) keep device-built descriptors: host-built ones passed into a traced op read wrong
+values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+from .compile_pool import POOL, background_switched_off, variant_key
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before 3.4: no host descriptors, captures build them on the device
+    TensorDescriptor = None  # type: ignore[assignment,misc]
+
+
+class _Loaded(NamedTuple):
+    """A loaded host-descriptor variant: its compiled kernel and the launcher's arguments after
+    the runtime ones (constexprs included, in the kernel's order) but the last, C's descriptor."""
+    compiled: Any
+    tail: tuple[Any, ...]
+
+
+# Per device-descriptor variant (compile_pool.variant_key of the eager launch): the host
+# variant's compile job while it runs, then the loaded variant; None where it cannot be built.
+_VARIANTS: dict[tuple[Any, ...], Future | _Loaded | None] = {}
+
+
+def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments and meta-parameters of an ``mm_tma_kernel`` launch (the launcher's
+    ``args``: a, b, out, bias, workspace, locks, scales, then M, N, K and the strides) with A's,
+    B's and (with C_TMA) C's descriptors built on the host, described as the kernel describes
+    them; None where there is nothing to describe (K = 0) or the tensors cannot be described."""
+    if TensorDescriptor is None:
+        return None
+    a, b, out = args[:3]
+    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm = args[8:16]
+    if not (M and N and K):
+        return None
+    block_m, block_n, block_k = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    try:
+        if meta["A_M_CONTIGUOUS"]:
+            a_desc = TensorDescriptor(a, [K, M], [stride_ak, 1], [block_k, block_m])
+        else:
+            a_desc = TensorDescriptor(a, [M, K], [stride_am, 1], [block_m, block_k])
+        if meta["B_K_CONTIGUOUS"]:
+            b_desc = TensorDescriptor(b, [N, K], [stride_bn, 1], [block_n, block_k])
+        else:
+            b_desc = TensorDescriptor(b, [K, N], [stride_bk, 1], [block_k, block_n])
+        c_desc = None
+        if meta["C_TMA"]:
+            c_desc = TensorDescriptor(out, [M, N], [stride_cm, 1],
+                                      [block_m, block_n // meta["EPILOGUE_SUBTILE"]])
+    except AssertionError:  # (TensorDescriptor's checks: alignment, unit last stride)
+        return None
+    return (a_desc, b_desc, *args[2:]), {**meta, "HOST_DESCRIPTORS": True, "c_host_desc": c_desc}
+
+
+def prepare(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+            meta: Mapping[str, Any], device: int) -> bool:
+    """After an eager (not captured) launch of ``kernel``: move its host-descriptor variant
+    along -- submit its compilation when the compile pool is idle, load it once compiled.
+    Whether that is settled: loaded (captures of this launch then use it), or never to be."""
+    key = variant_key(kernel, args, meta, device)
+    state = _VARIANTS.get(key, False)
+    if isinstance(state, _Loaded) or state is None:
+        return True
+    if state is False:
+        if background_switched_off():
+            return True
+        if POOL.busy:
+            return False  # (low priority: kernels that calls wait for come first)
+        described = describe(args, meta)
+        if described is None:
+            _VARIANTS[key] = None
+            return True
+        host_args, host_meta = described
+        _VARIANTS[key] = POOL.submit(("host descriptors", *key), kernel, grid, host_args,
+                                     host_meta, device)
+        return False
+    if not state.done():
+        return False
+    described = describe(args, meta)
+    if state.exception() is not None or described is None:
+        _VARIANTS[key] = None
+        return True
+    host_args, host_meta = described
+    compiled = kernel.warmup(*host_args, grid=grid, **host_meta)  # (from the JIT's cache)
+    if hasattr(compiled, "result"):
+        compiled = compiled.result()
+    compiled._init_handles()  # load it now: a capture could not
+    params = kernel.params[len(host_args):]
+    assert params[-1].name == "c_host_desc"
+    tail = tuple(host_meta[p.name] if p.name in host_meta else p.default for p in params[:-1])
+    _VARIANTS[key] = _Loaded(compiled, tail)
+    return True
+
+
+def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+                    meta: Mapping[str, Any], device: int, stream: int) -> bool:
+    """Launch ``kernel`` with host-built descriptors on ``stream`` (which is capturing) where
+    its host-descriptor variant is loaded; whether it did (else the caller launches as usual)."""
+    loaded = _VARIANTS.get(variant_key(kernel, args, meta, device))
+    if not isinstance(loaded, _Loaded):
+        return False
+    described = describe(args, meta)
+    if described is None:
+        return False
+    host_args, host_meta = described
+    compiled = loaded.compiled
+    grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
+    compiled.run(grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *host_args, *loaded.tail, host_meta["c_host_desc"])
+    return True
+
+
+def forget() -> None:
+    """Forget every host-descriptor variant (tests; a forked child, whose compile jobs are
+    gone)."""
+    _VARIANTS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=forget)
