@@ -359,7 +359,6 @@ def settle(fn: Callable[[], Any]) -> None:
 
     POOL.drain()
     fn()
-    torch.cuda.synchronize()
 
 
 def run_rows(rows: Sequence[Row[R]]) -> list[R]:
