@@ -123,6 +123,12 @@ class _Pool:
         self.jobs.append((key, job, future))
         return future
 
+    def drain(self) -> None:
+        self.busy = False
+        for _, _, future in self.jobs:
+            if not future.done():
+                future.set_result(None)
+
 
 def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_captured(
         monkeypatch):
@@ -134,6 +140,7 @@ def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_cap
     monkeypatch.setattr(graph_descriptors, "POOL", pool)
     monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
     monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
     kernel = _Kernel()
     a, b = torch.randn(24, 40, dtype=torch.float16), torch.randn(40, 16, dtype=torch.float16)
     out = torch.empty(24, 16, dtype=torch.float16)
@@ -179,6 +186,7 @@ def test_a_host_variant_that_fails_to_compile_is_settled_without_it(monkeypatch)
     monkeypatch.setattr(graph_descriptors, "POOL", pool)
     monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
     monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
     kernel = _Kernel()
     a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
     args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
@@ -194,6 +202,39 @@ def test_a_host_variant_that_fails_to_compile_is_settled_without_it(monkeypatch)
     monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
     monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: True)
     assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
+
+
+def test_prepare_capture_runs_until_the_host_variants_are_loaded(monkeypatch):
+    """tg.prepare_capture(fn): eager runs of fn, each after waiting for the compile pool,
+    until its launches' host-descriptor variants are loaded: with the pool busy at first, a
+    run that finds it busy, one that submits the compile, one that loads it; then no more."""
+    pool = _Pool()
+    pool.busy = True
+    monkeypatch.setattr(graph_descriptors, "POOL", pool)
+    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
+    kernel = _Kernel()
+    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
+    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
+            8, 8, 32, 32, 1, 8, 1, 8)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
+            "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
+    runs = []
+
+    def step(scale: int) -> int:
+        runs.append(scale)
+        graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+        return len(runs) * scale
+
+    assert tg.prepare_capture(step, 10) == 30 and runs == [10] * 3
+    assert kernel.compiled.loads == 1 and len(pool.jobs) == 1
+    assert tg.prepare_capture(step, scale=1) == 4 and len(runs) == 4  # settled: one run
+    # A run that makes no TMA launch (or only settled ones) is one run; so is rounds=1.
+    pool.busy, kernel2 = True, _Kernel()
+    runs.clear()
+    assert tg.prepare_capture(lambda: graph_descriptors.prepare(kernel2, (1,), args, meta, 0)
+                              or runs.append(1), rounds=1) is None and runs == [1]
 
 
 @pytest.mark.gpu
@@ -271,3 +312,26 @@ def test_host_descriptor_variant_compiles_for_hopper():
 
     lines = _run_without_interpreter(_HOST_COMPILE_SCRIPT).splitlines()
     assert lines == ["True True False"] * 2 + ["False True True"] * 2
+
+
+@pytest.mark.gpu
+def test_gpu_prepare_capture_readies_what_the_capture_launches(monkeypatch):
+    """tg.prepare_capture on a GPU: after it, a CUDA graph capture of the same call launches the
+    host-descriptor variant."""
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    captured = []
+    launch_captured = graph_descriptors.launch_captured
+    monkeypatch.setattr(graph_descriptors, "launch_captured",
+                        lambda *args: captured.append(launch_captured(*args)) or captured[-1])
+    a = torch.randn(300, 520, device="cuda", dtype=torch.float16)
+    w = torch.randn(200, 520, device="cuda", dtype=torch.float16)
+    with tg.tuning.force_plan(PLANS["tma"]):
+        eager = tg.prepare_capture(tg.mm, a, w.t())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tg.mm(a, w.t())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured == [True] and torch.equal(out, eager)

@@ -4,6 +4,7 @@ Importing the package registers the operators under ``torch.ops.tgemm``, and the
 rules for DTensor operands (``sharding.py``) where ``torch.distributed`` is available.
 """
 
+from .ops.graph_descriptors import prepare_capture
 from .ops.grouped_mm import grouped_mm
 from .ops.grouped_mm_list import grouped_mm_list
 from .ops.mm import mm
@@ -14,6 +15,6 @@ from .override import override
 from .quantize import dequantize, quantize
 from .warming import warmup
 
-__all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "moe_mlp", "override", "quantize",
-           "scaled_grouped_mm", "scaled_mm", "warmup"]
+__all__ = ["dequantize", "grouped_mm", "grouped_mm_list", "mm", "moe_mlp", "override",
+           "prepare_capture", "quantize", "scaled_grouped_mm", "scaled_mm", "warmup"]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ values.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -43,6 +43,8 @@ class _Loaded(NamedTuple):
 # Per device-descriptor variant (compile_pool.variant_key of the eager launch): the host
 # variant's compile job while it runs, then the loaded variant; None where it cannot be built.
 _VARIANTS: dict[tuple[Any, ...], Future | _Loaded | None] = {}
+# Variants whose last prepare() found them not settled (see prepare_capture).
+_UNSETTLED: set[tuple[Any, ...]] = set()
 
 
 def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
@@ -82,6 +84,16 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     along -- submit its compilation when the compile pool is idle, load it once compiled.
     Whether that is settled: loaded (captures of this launch then use it), or never to be."""
     key = variant_key(kernel, args, meta, device)
+    settled = _advance(key, kernel, grid, args, meta, device)
+    if settled:
+        _UNSETTLED.discard(key)
+    else:
+        _UNSETTLED.add(key)
+    return settled
+
+
+def _advance(key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
+             meta: Mapping[str, Any], device: int) -> bool:
     state = _VARIANTS.get(key, False)
     if isinstance(state, _Loaded) or state is None:
         return True
@@ -134,10 +146,26 @@ def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     return True
 
 
+def prepare_capture(fn: Callable[..., Any], *args: Any, rounds: int = 4, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` eagerly, again after waiting for the compile pool, until
+    every persistent TMA launch it makes has its host-descriptor variant loaded (or settled
+    without one), at most ``rounds`` times; its last result. A CUDA graph captured next then
+    launches those variants (a first eager run only starts compiling them)."""
+    result = None
+    for _ in range(rounds):
+        _UNSETTLED.clear()
+        result = fn(*args, **kwargs)
+        if not _UNSETTLED:
+            break
+        POOL.drain()
+    return result
+
+
 def forget() -> None:
     """Forget every host-descriptor variant (tests; a forked child, whose compile jobs are
     gone)."""
     _VARIANTS.clear()
+    _UNSETTLED.clear()
 
 
 if hasattr(os, "register_at_fork"):
