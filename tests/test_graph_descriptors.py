@@ -130,17 +130,33 @@ class _Pool:
                 future.set_result(None)
 
 
-def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_captured(
-        monkeypatch):
+@pytest.fixture
+def pool(monkeypatch) -> _Pool:  # type: ignore[no-untyped-def]
+    """graph_descriptors with a fake compile pool (jobs kept, finished by hand) and no
+    variants yet."""
+    fake = _Pool()
+    monkeypatch.setattr(graph_descriptors, "POOL", fake)
+    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
+    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
+    return fake
+
+
+def _small_launch() -> tuple[tuple, dict]:  # type: ignore[type-arg]
+    """A persistent TMA launch's arguments and meta-parameters for an 8x32x8 product."""
+    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
+    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
+            8, 8, 32, 32, 1, 8, 1, 8)
+    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
+            "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
+    return args, meta
+
+
+def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_captured(pool):
     """prepare() after eager launches: nothing while the compile pool is busy (kernels that
     calls wait for come first), then one background compile, then loading the compiled variant
     (which a capture could not do); launch_captured() runs it only once it is loaded, with this
     call's descriptors and the kernel's other arguments in order."""
-    pool = _Pool()
-    monkeypatch.setattr(graph_descriptors, "POOL", pool)
-    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
-    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
     kernel = _Kernel()
     a, b = torch.randn(24, 40, dtype=torch.float16), torch.randn(40, 16, dtype=torch.float16)
     out = torch.empty(24, 16, dtype=torch.float16)
@@ -181,18 +197,9 @@ def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_cap
     assert launch[27].base is out and launch[27].block_shape == [16, 8]
 
 
-def test_a_host_variant_that_fails_to_compile_is_settled_without_it(monkeypatch):
-    pool = _Pool()
-    monkeypatch.setattr(graph_descriptors, "POOL", pool)
-    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
-    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
+def test_a_host_variant_that_fails_to_compile_is_settled_without_it(pool, monkeypatch):
     kernel = _Kernel()
-    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
-    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
-            8, 8, 32, 32, 1, 8, 1, 8)
-    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
-            "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
+    args, meta = _small_launch()
     assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0)
     pool.jobs[0][2].set_exception(RuntimeError("out of resources"))
     assert graph_descriptors.prepare(kernel, (1,), args, meta, 0)
@@ -204,22 +211,13 @@ def test_a_host_variant_that_fails_to_compile_is_settled_without_it(monkeypatch)
     assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
 
 
-def test_prepare_capture_runs_until_the_host_variants_are_loaded(monkeypatch):
+def test_prepare_capture_runs_until_the_host_variants_are_loaded(pool):
     """tg.prepare_capture(fn): eager runs of fn, each after waiting for the compile pool,
     until its launches' host-descriptor variants are loaded: with the pool busy at first, a
     run that finds it busy, one that submits the compile, one that loads it; then no more."""
-    pool = _Pool()
     pool.busy = True
-    monkeypatch.setattr(graph_descriptors, "POOL", pool)
-    monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
-    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
     kernel = _Kernel()
-    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
-    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
-            8, 8, 32, 32, 1, 8, 1, 8)
-    meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
-            "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
+    args, meta = _small_launch()
     runs = []
 
     def step(scale: int) -> int:
