@@ -72,13 +72,17 @@ def test_host_descriptors_give_the_device_descriptors_bits(device, plan):
             assert rel_error(out, reference(a, b)) <= 1e-2, (layout, m, n, k)
 
 
-def test_nothing_to_describe_without_k():
-    a, b = torch.empty(4, 0, dtype=torch.float16), torch.empty(0, 8, dtype=torch.float16)
-    out = torch.empty(4, 8, dtype=torch.float16)
+def test_nothing_to_describe_without_k_nor_for_fp8_and_fp32_operands():
     meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
             "B_K_CONTIGUOUS": False, "C_TMA": True, "EPILOGUE_SUBTILE": 1}
+    a, b = torch.empty(4, 0, dtype=torch.float16), torch.empty(0, 8, dtype=torch.float16)
+    out = torch.empty(4, 8, dtype=torch.float16)
     args = (a, b, out, None, None, None, None, None, 4, 8, 0, 0, 1, 8, 1, 8)
     assert graph_descriptors.describe(args, meta) is None
+    for dtype in (torch.float16, torch.float8_e4m3fn, torch.float32):
+        a, b = torch.empty(4, 64, dtype=dtype), torch.empty(64, 32, dtype=dtype)
+        args = (a, b, out, None, None, None, None, None, 4, 32, 64, 64, 1, 32, 1, 32)
+        assert (graph_descriptors.describe(args, meta) is None) == (dtype != torch.float16)
 
 
 class _Compiled:

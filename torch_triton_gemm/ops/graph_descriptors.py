@@ -52,12 +52,14 @@ def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
     """The arguments and meta-parameters of an ``mm_tma_kernel`` launch (the launcher's
     ``args``: a, b, out, bias, workspace, locks, scales, then M, N, K and the strides) with A's,
     B's and (with C_TMA) C's descriptors built on the host, described as the kernel describes
-    them; None where there is nothing to describe (K = 0) or the tensors cannot be described."""
+    them; None where there is nothing to describe (K = 0), the tensors cannot be described, or
+    the operands are not 16-bit (fp8 and fp32 launches keep device-built descriptors until a
+    GPU has run their host-built ones)."""
     if TensorDescriptor is None:
         return None
     a, b, out = args[:3]
     M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm = args[8:16]
-    if not (M and N and K):
+    if not (M and N and K) or a.element_size() != 2:
         return None
     block_m, block_n, block_k = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     try:
