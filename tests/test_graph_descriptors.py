@@ -19,7 +19,7 @@ from test_plans import PLANS, _poisoned
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
-from torch_triton_gemm.ops import graph_descriptors, launcher
+from torch_triton_gemm.ops import graph_descriptors, launcher, planner
 from torch_triton_gemm.ops.compile_pool import variant_key
 
 TMA_PLANS = [name for name, plan in PLANS.items() if plan.kernel == "tma"]
@@ -119,8 +119,15 @@ class _Kernel:
 
 
 class _Pool:
+    """The compile pool as graph_descriptors sees one: jobs kept and finished by ``drain``;
+    ``other``: unfinished jobs that are not host-descriptor variants (kernels calls wait for)."""
+
     def __init__(self) -> None:
-        self.busy, self.jobs = False, []
+        self.jobs, self.other = [], 0
+
+    @property
+    def unfinished(self) -> int:
+        return self.other + sum(not future.done() for _, _, future in self.jobs)
 
     def submit(self, key, *job):  # type: ignore[no-untyped-def]
         future: Future = Future()
@@ -128,39 +135,47 @@ class _Pool:
         return future
 
     def drain(self) -> None:
-        self.busy = False
+        self.other = 0
         for _, _, future in self.jobs:
             if not future.done():
                 future.set_result(None)
 
 
 @pytest.fixture
-def pool(monkeypatch) -> _Pool:  # type: ignore[no-untyped-def]
-    """graph_descriptors with a fake compile pool (jobs kept, finished by hand) and no
-    variants yet."""
+def fresh_variants(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """graph_descriptors with no variants, nothing wanted, no prepare_capture running."""
+    for name, value in (("_VARIANTS", {}), ("_WANTED", set()), ("_UNSETTLED", set()),
+                        ("_PREPARING", 0), ("_OFF", 0), ("GENERATION", 0)):
+        monkeypatch.setattr(graph_descriptors, name, value)
+
+
+@pytest.fixture
+def pool(monkeypatch, fresh_variants) -> _Pool:  # type: ignore[no-untyped-def]
+    """... and a fake compile pool."""
     fake = _Pool()
     monkeypatch.setattr(graph_descriptors, "POOL", fake)
     monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: False)
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
-    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
     return fake
 
 
-def _small_launch() -> tuple[tuple, dict]:  # type: ignore[type-arg]
-    """A persistent TMA launch's arguments and meta-parameters for an 8x32x8 product."""
-    a, b = torch.randn(8, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
-    args = (a, b, torch.empty(8, 8, dtype=torch.float16), None, None, None, None, None,
-            8, 8, 32, 32, 1, 8, 1, 8)
+def _small_launch(m: int = 8) -> tuple[tuple, dict]:  # type: ignore[type-arg]
+    """A persistent TMA launch's arguments and meta-parameters for an m x 32 x 8 product."""
+    a, b = torch.randn(m, 32, dtype=torch.float16), torch.randn(32, 8, dtype=torch.float16)
+    args = (a, b, torch.empty(m, 8, dtype=torch.float16), None, None, None, None, None,
+            m, 8, 32, 32, 1, 8, 1, 8)
     meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
             "B_K_CONTIGUOUS": False, "C_TMA": False, "EPILOGUE_SUBTILE": 1}
     return args, meta
 
 
-def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_captured(pool):
-    """prepare() after eager launches: nothing while the compile pool is busy (kernels that
-    calls wait for come first), then one background compile, then loading the compiled variant
-    (which a capture could not do); launch_captured() runs it only once it is loaded, with this
-    call's descriptors and the kernel's other arguments in order."""
+def test_the_host_variant_is_compiled_after_other_work_loaded_outside_captures_then_captured(
+        pool, monkeypatch):
+    """prepare() after eager launches (here inside prepare_capture, which wants every
+    variant): nothing while the compile pool has other work (kernels that calls wait for),
+    then one background compile, then loading the compiled variant (which a capture could not
+    do); launch_captured() runs it only once it is loaded, with this call's descriptors and the
+    kernel's other arguments in order."""
+    monkeypatch.setattr(graph_descriptors, "_PREPARING", 1)
     kernel = _Kernel()
     a, b = torch.randn(24, 40, dtype=torch.float16), torch.randn(40, 16, dtype=torch.float16)
     out = torch.empty(24, 16, dtype=torch.float16)
@@ -172,9 +187,9 @@ def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_cap
     def captured() -> bool:
         return graph_descriptors.launch_captured(kernel, (3,), args, meta, 0, 7)
 
-    pool.busy = True
+    pool.other = 1
     assert not graph_descriptors.prepare(kernel, (3,), args, meta, 0) and not pool.jobs
-    pool.busy = False
+    pool.other = 0
     assert not graph_descriptors.prepare(kernel, (3,), args, meta, 0)
     assert len(pool.jobs) == 1
     key, job, future = pool.jobs[0]
@@ -201,7 +216,31 @@ def test_the_host_variant_is_compiled_when_idle_loaded_outside_captures_then_cap
     assert launch[27].base is out and launch[27].block_shape == [16, 8]
 
 
-def test_a_host_variant_that_fails_to_compile_is_settled_without_it(pool, monkeypatch):
+def test_only_variants_a_capture_wanted_are_built(pool):
+    """Programs that never capture build nothing: prepare() leaves an unwanted variant alone
+    (settled); a capture that launches without it makes it wanted (and moves the generation on,
+    so kept eager launches look again); the next eager launch submits it."""
+    kernel = _Kernel()
+    args, meta = _small_launch()
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and not pool.jobs
+    assert not graph_descriptors.launch_captured(kernel, (1,), args, meta, 0, 7)
+    assert graph_descriptors.GENERATION == 1
+    assert not graph_descriptors.launch_captured(kernel, (1,), args, meta, 0, 7)
+    assert graph_descriptors.GENERATION == 1  # (wanted once)
+    assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
+    # Inside off() (tuning): neither built nor launched nor wanted.
+    other_args, _ = _small_launch(16)
+    with graph_descriptors.off():
+        assert graph_descriptors.prepare(kernel, (1,), other_args, meta, 0)
+        assert not graph_descriptors.launch_captured(kernel, (1,), other_args, meta, 0, 7)
+    assert graph_descriptors.GENERATION == 1 and len(pool.jobs) == 1
+
+
+def test_a_host_variant_that_fails_is_settled_without_it(pool, monkeypatch, caplog):
+    """A compile that failed, a load that fails (a warning: the user's call is unharmed), fp8
+    launches and background compilation switched off: settled, captures launch the
+    device-descriptor variant."""
+    monkeypatch.setattr(graph_descriptors, "_PREPARING", 1)
     kernel = _Kernel()
     args, meta = _small_launch()
     assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0)
@@ -209,66 +248,77 @@ def test_a_host_variant_that_fails_to_compile_is_settled_without_it(pool, monkey
     assert graph_descriptors.prepare(kernel, (1,), args, meta, 0)
     assert not graph_descriptors.launch_captured(kernel, (1,), args, meta, 0, 7)
     assert not kernel.warmups and not kernel.compiled.launches
+    assert "out of resources" in caplog.text
+    # The load fails.
+    args, meta = _small_launch(16)
+    assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+    pool.drain()
+    kernel.compiled._init_handles = lambda: (_ for _ in ()).throw(RuntimeError("no module"))
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+    assert not graph_descriptors.launch_captured(kernel, (1,), args, meta, 0, 7)
+    assert "no module" in caplog.text
+    # fp8 operands (not yet run with host-built descriptors on a GPU): settled at once.
+    fp8 = tuple(t.to(torch.float8_e4m3fn) if i < 2 else t for i, t in enumerate(args))
+    jobs = len(pool.jobs)
+    assert graph_descriptors.prepare(kernel, (1,), fp8, meta, 0) and len(pool.jobs) == jobs
     # Background compilation switched off: settled at once, nothing submitted.
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
     monkeypatch.setattr(graph_descriptors, "background_switched_off", lambda: True)
-    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
+    args, meta = _small_launch(24)
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == jobs
 
 
 def test_prepare_capture_runs_until_the_host_variants_are_loaded(pool):
-    """tg.prepare_capture(fn): eager runs of fn, each after waiting for the compile pool,
-    until its launches' host-descriptor variants are loaded: with the pool busy at first, a
-    run that finds it busy, one that submits the compile, one that loads it; then no more."""
-    pool.busy = True
-    kernel = _Kernel()
-    args, meta = _small_launch()
+    """tg.prepare_capture(fn): eager runs of fn, waiting for the compile pool between them,
+    until its launches' host-descriptor variants are loaded. Every variant a run launches is
+    submitted in that run (two here); with the pool busy with other work at first: a run that
+    waits, one that submits, one that loads; then a settled step takes one run."""
+    pool.other = 1
+    kernels = (_Kernel(), _Kernel())
+    launches = (_small_launch(8), _small_launch(16))
     runs = []
 
     def step(scale: int) -> int:
         runs.append(scale)
-        graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+        for kernel, (args, meta) in zip(kernels, launches):
+            graph_descriptors.prepare(kernel, (1,), args, meta, 0)
         return len(runs) * scale
 
     assert tg.prepare_capture(step, 10) == 30 and runs == [10] * 3
-    assert kernel.compiled.loads == 1 and len(pool.jobs) == 1
-    assert tg.prepare_capture(step, scale=1) == 4 and len(runs) == 4  # settled: one run
-    # A run that makes no TMA launch (or only settled ones) is one run; so is rounds=1.
-    pool.busy, kernel2 = True, _Kernel()
-    runs.clear()
-    assert tg.prepare_capture(lambda: graph_descriptors.prepare(kernel2, (1,), args, meta, 0)
-                              or runs.append(1), rounds=1) is None and runs == [1]
+    assert [k.compiled.loads for k in kernels] == [1, 1] and len(pool.jobs) == 2
+    assert tg.prepare_capture(step, scale=1) == 4 and len(runs) == 4
+    assert graph_descriptors._PREPARING == 0
+
+
+def test_prepare_capture_says_when_it_ran_out_of_rounds(pool, caplog):
+    kernel = _Kernel()
+    args, meta = _small_launch()
+    pool.other = 1
+    runs = []
+    result = tg.prepare_capture(
+        lambda: runs.append(graph_descriptors.prepare(kernel, (1,), args, meta, 0)), rounds=1)
+    assert result is None and runs == [False] and "still had" in caplog.text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", ["tma", "tma-split3-fixup", "tma-stream-k", "tma-subtile"])
-def test_gpu_captured_tgemm_runs_host_descriptors(plan, monkeypatch):
-    """On a GPU: eager tgemm.mm calls of a TMA plan until its host-descriptor variant is
-    loaded, then a CUDA graph capture launches it (not the device-descriptor variant); replays
-    on new operands give the eager call's bits."""
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
+@pytest.mark.parametrize("plan", ["tma", "tma-split3-fixup", "tma-stream-k", "tma-subtile",
+                                  "tma-tail-split3"])
+def test_gpu_captured_tgemm_runs_host_descriptors(plan, monkeypatch, fresh_variants):
+    """On a GPU: tg.prepare_capture runs tgemm.mm of a TMA plan until its host-descriptor
+    variants are loaded (a tail split launches twice), then a CUDA graph capture launches them,
+    not the device-descriptor variants; replays on new operands give the eager call's bits."""
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
-    captured = []
-    launch_captured = graph_descriptors.launch_captured
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        captured.append(launch_captured(*args, **kwargs))
-        return captured[-1]
-
-    monkeypatch.setattr(graph_descriptors, "launch_captured", spy)
+    captured = _spy_on_captures(monkeypatch)
     a = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(200, 520, device="cuda", dtype=torch.bfloat16)
     with tg.tuning.force_plan(PLANS[plan]):
-        for _ in range(50):
-            tg.mm(a, w.t())
-            launcher.POOL.drain()
-            if any(isinstance(state, graph_descriptors._Loaded)
-                   for state in graph_descriptors._VARIANTS.values()):
-                break
-        eager = tg.mm(a, w.t())
+        eager = tg.prepare_capture(tg.mm, a, w.t())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = tg.mm(a, w.t())
     assert captured and all(captured), captured
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
     a.copy_(torch.randn_like(a))
     w.copy_(torch.randn_like(w))
     graph.replay()
@@ -277,6 +327,53 @@ def test_gpu_captured_tgemm_runs_host_descriptors(plan, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(out, expected) and not torch.equal(out, eager)
     assert rel_error(out, reference(a, w.t())) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_a_capture_without_prepare_capture_wants_the_variant(monkeypatch, fresh_variants):
+    """Without prepare_capture, on the planner's own TMA plan (kept eager launches, the
+    direct path): a first capture launches the device-descriptor variant and makes the host
+    one wanted; eager calls then build and load it, and a later capture launches it. Eager
+    calls of a program that never captures build nothing."""
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    captured = _spy_on_captures(monkeypatch)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+    w = torch.randn(2048, 2048, device="cuda", dtype=torch.float16)
+    out = a.new_empty((2048, 2048))
+    plan = planner.plan_mm(a, w.t(), None, out, "none", False)
+    prepared = launcher.prepare_launch(a, w.t(), None, out, "none", False, plan, None)
+    assert prepared.kernel is launcher.mm_tma_kernel
+    for _ in range(3):
+        eager = tg.mm(a, w.t())
+        launcher.POOL.drain()
+    assert not graph_descriptors._VARIANTS
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        out_first = tg.mm(a, w.t())
+    for _ in range(3):
+        tg.mm(a, w.t())
+        launcher.POOL.drain()
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second):
+        out_second = tg.mm(a, w.t())
+    assert captured == [False, True]
+    first.replay()
+    second.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_first, eager) and torch.equal(out_second, eager)
+
+
+def _spy_on_captures(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
+    """What each launch_captured call returned, from now on."""
+    captured: list[bool] = []
+    launch_captured = graph_descriptors.launch_captured
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        captured.append(launch_captured(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(graph_descriptors, "launch_captured", spy)
+    return captured
 
 
 _HOST_COMPILE_SCRIPT = """
@@ -314,26 +411,3 @@ def test_host_descriptor_variant_compiles_for_hopper():
 
     lines = _run_without_interpreter(_HOST_COMPILE_SCRIPT).splitlines()
     assert lines == ["True True False"] * 2 + ["False True True"] * 2
-
-
-@pytest.mark.gpu
-def test_gpu_prepare_capture_readies_what_the_capture_launches(monkeypatch):
-    """tg.prepare_capture on a GPU: after it, a CUDA graph capture of the same call launches the
-    host-descriptor variant."""
-    monkeypatch.setattr(graph_descriptors, "_VARIANTS", {})
-    monkeypatch.setattr(graph_descriptors, "_UNSETTLED", set())
-    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
-    captured = []
-    launch_captured = graph_descriptors.launch_captured
-    monkeypatch.setattr(graph_descriptors, "launch_captured",
-                        lambda *args: captured.append(launch_captured(*args)) or captured[-1])
-    a = torch.randn(300, 520, device="cuda", dtype=torch.float16)
-    w = torch.randn(200, 520, device="cuda", dtype=torch.float16)
-    with tg.tuning.force_plan(PLANS["tma"]):
-        eager = tg.prepare_capture(tg.mm, a, w.t())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = tg.mm(a, w.t())
-    graph.replay()
-    torch.cuda.synchronize()
-    assert captured == [True] and torch.equal(out, eager)

@@ -23,6 +23,7 @@ import torch
 
 from . import device as _device
 from . import plan_cache, tuning
+from .ops import graph_descriptors
 from .ops.checks import check, default_out_dtype
 from .ops.launcher import launch_mm
 from .ops.operands import kernel_operands, layout_key
@@ -96,22 +97,25 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     tma = tma_args is not None and _device.supports_tma(device)
     timings = []
     reference = reference_product(a, b, bias, activation)
-    for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
-                                       a_k_contiguous=stride_ak == 1):
-        def run(plan: tuning.MMPlan = plan) -> None:
-            launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
+    # Plans are timed as eager calls launch them: not with host-built descriptors, which
+    # would reach some candidates' captures and not others' (ops/graph_descriptors.py).
+    with graph_descriptors.off():
+        for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
+                                           a_k_contiguous=stride_ak == 1):
+            def run(plan: tuning.MMPlan = plan) -> None:
+                launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 
-        try:
-            out.fill_(float("nan"))
-            run()
-            torch.cuda.synchronize(device)
-            # A candidate must give the product before it may win (twice: a race shows late).
-            right = gives_the_product(out, reference)
-            run()
-            right = right and gives_the_product(out, reference)
-            timings.append(Timing(plan, _time_ms(run, rep_ms) if right else None))
-        except Exception:  # noqa: BLE001 - a candidate that cannot run is not a candidate
-            timings.append(Timing(plan, None))
+            try:
+                out.fill_(float("nan"))
+                run()
+                torch.cuda.synchronize(device)
+                # A candidate must give the product before it may win (twice: a race shows late).
+                right = gives_the_product(out, reference)
+                run()
+                right = right and gives_the_product(out, reference)
+                timings.append(Timing(plan, _time_ms(run, rep_ms) if right else None))
+            except Exception:  # noqa: BLE001 - a candidate that cannot run is not a candidate
+                timings.append(Timing(plan, None))
     timed = sorted((t for t in timings if t.ms is not None), key=lambda t: t.ms)
     check(bool(timed), lambda: f"tgemm.tune: no plan ran for {M}x{N}x{K}")
     best = timed[0].plan

@@ -341,9 +341,8 @@ class Row(Generic[R]):
 
 def first_call(fn: Callable[[], R]) -> tuple[R, float]:
     """``fn()`` and its wall time to completion in s (a first call tunes new size buckets);
-    then what the call compiles in the background is awaited and ``fn()`` runs once more, as a
-    warmed-up program finds it: the CUDA graphs of kernel-only timings then capture the
-    host-descriptor variants of TMA launches (ops/graph_descriptors.py)."""
+    then ``settle(fn)``: the CUDA graphs of kernel-only timings capture the host-descriptor
+    variants of TMA launches (ops/graph_descriptors.py), as after ``tg.prepare_capture``."""
     start = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
@@ -353,12 +352,11 @@ def first_call(fn: Callable[[], R]) -> tuple[R, float]:
 
 
 def settle(fn: Callable[[], Any]) -> None:
-    """Wait for tgemm's background compiles, then call ``fn()`` (eager: it loads what they
-    built for its launches)."""
-    from ..ops.compile_pool import POOL
+    """Call ``fn()`` eagerly until what CUDA graph captures of it launch is built and loaded
+    (``torch_triton_gemm.prepare_capture``)."""
+    from ..ops.graph_descriptors import prepare_capture
 
-    POOL.drain()
-    fn()
+    prepare_capture(fn)
 
 
 def run_rows(rows: Sequence[Row[R]]) -> list[R]:

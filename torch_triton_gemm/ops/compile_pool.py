@@ -172,6 +172,11 @@ class CompilePool:
     def future(self, key: Hashable) -> Future | None:
         return self._futures.get(key)
 
+    @property
+    def unfinished(self) -> int:
+        """Jobs submitted and not finished."""
+        return self._unfinished
+
     def wait(self, key: Hashable, what: str = "a GEMM kernel") -> float:
         """Before launching the variant ``key``: wait for its compilation if it is running;
         take it back if it is still queued (the caller then compiles it, never waiting for

@@ -9,19 +9,23 @@ an eager small GEMM cannot spare, but a launch captured into a CUDA graph pays i
 capture. So captured launches pass descriptors built here (the kernel's HOST_DESCRIPTORS).
 
 That is another compiled variant of the kernel, and no kernel can be loaded while a stream is
-capturing (cuModuleLoadData is prohibited there). So the host-descriptor variant of a launch is
-compiled in the background once an eager launch of the same variant has run and the compile pool
-is idle, loaded by a later eager launch, and used by captures from then on; until then a capture
-launches the device-descriptor variant, which gives the same bits (the descriptors describe the
-same tensors; only where they are built differs). Launches that tracing records (wrap_triton,
-torch.compile) keep device-built descriptors: host-built ones passed into a traced op read wrong
-values.
+capturing (cuModuleLoadData is prohibited there). So a launch's host-descriptor variant is
+built only once it is wanted -- a capture launched the device-descriptor variant instead, or
+``prepare_capture`` is running -- then compiled in the background (behind kernels that calls
+wait for) and loaded by a later eager launch, and captures launch it from then on; until then a
+capture launches the device-descriptor variant, which gives the same bits (the descriptors
+describe the same tensors; only where they are built differs). Programs that never capture
+build nothing. Launches that tracing records (wrap_triton, torch.compile) keep device-built
+descriptors: host-built ones passed into a traced op read wrong values. So do tuning's timings
+(``off``), which compare plans as eager calls run them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -40,11 +44,22 @@ class _Loaded(NamedTuple):
     tail: tuple[Any, ...]
 
 
+LOG = logging.getLogger("torch_triton_gemm")
+
 # Per device-descriptor variant (compile_pool.variant_key of the eager launch): the host
 # variant's compile job while it runs, then the loaded variant; None where it cannot be built.
 _VARIANTS: dict[tuple[Any, ...], Future | _Loaded | None] = {}
+# Variants a capture launched without their host variant: eager launches build it.
+_WANTED: set[tuple[Any, ...]] = set()
 # Variants whose last prepare() found them not settled (see prepare_capture).
 _UNSETTLED: set[tuple[Any, ...]] = set()
+# Active prepare_capture calls (every variant launched is wanted) and ``off`` blocks. Counts,
+# not thread-local flags: autograd runs a step's backward launches on threads of its own.
+_PREPARING = 0
+_OFF = 0
+# Bumped whenever more variants become wanted: eager launches kept by run_kept skip prepare()
+# only while the generation they settled at is current.
+GENERATION = 0
 
 
 def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
@@ -53,13 +68,13 @@ def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
     ``args``: a, b, out, bias, workspace, locks, scales, then M, N, K and the strides) with A's,
     B's and (with C_TMA) C's descriptors built on the host, described as the kernel describes
     them; None where there is nothing to describe (K = 0), the tensors cannot be described, or
-    the operands are not 16-bit (fp8 and fp32 launches keep device-built descriptors until a
-    GPU has run their host-built ones)."""
+    the operands or C are not 16-bit (fp8 and fp32 launches keep device-built descriptors until
+    a GPU has run their host-built ones)."""
     if TensorDescriptor is None:
         return None
     a, b, out = args[:3]
     M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm = args[8:16]
-    if not (M and N and K) or a.element_size() != 2:
+    if not (M and N and K) or a.element_size() != 2 or out.element_size() != 2:
         return None
     block_m, block_n, block_k = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
     try:
@@ -83,10 +98,16 @@ def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
 def prepare(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
             meta: Mapping[str, Any], device: int) -> bool:
     """After an eager (not captured) launch of ``kernel``: move its host-descriptor variant
-    along -- submit its compilation when the compile pool is idle, load it once compiled.
-    Whether that is settled: loaded (captures of this launch then use it), or never to be."""
+    along if it is wanted -- submit its compilation once the compile pool has nothing else to
+    do, load it once compiled. Whether nothing is left to do for now: loaded (captures of this
+    launch then use it), never to be, or not wanted."""
+    if _OFF:
+        return True
     key = variant_key(kernel, args, meta, device)
-    settled = _advance(key, kernel, grid, args, meta, device)
+    state = _VARIANTS.get(key, False)
+    if state is False and not (_PREPARING or key in _WANTED):
+        return True
+    settled = _advance(key, state, kernel, grid, args, meta, device)
     if settled:
         _UNSETTLED.discard(key)
     else:
@@ -94,20 +115,18 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     return settled
 
 
-def _advance(key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
-             meta: Mapping[str, Any], device: int) -> bool:
-    state = _VARIANTS.get(key, False)
+def _advance(key: tuple[Any, ...], state: Future | _Loaded | None | bool, kernel: Any,
+             grid: tuple[int, ...], args: tuple[Any, ...], meta: Mapping[str, Any],
+             device: int) -> bool:
     if isinstance(state, _Loaded) or state is None:
         return True
     if state is False:
-        if background_switched_off():
-            return True
-        if POOL.busy:
-            return False  # (low priority: kernels that calls wait for come first)
         described = describe(args, meta)
-        if described is None:
+        if described is None or background_switched_off():
             _VARIANTS[key] = None
             return True
+        if POOL.unfinished > _compiling():
+            return False  # (after the kernels that calls wait for)
         host_args, host_meta = described
         _VARIANTS[key] = POOL.submit(("host descriptors", *key), kernel, grid, host_args,
                                      host_meta, device)
@@ -115,27 +134,51 @@ def _advance(key: tuple[Any, ...], kernel: Any, grid: tuple[int, ...], args: tup
     if not state.done():
         return False
     described = describe(args, meta)
-    if state.exception() is not None or described is None:
+    try:
+        if state.exception() is not None or described is None:
+            raise RuntimeError(state.exception() or "the launch can no longer be described")
+        host_args, host_meta = described
+        compiled = kernel.warmup(*host_args, grid=grid, **host_meta)  # (from the JIT's cache)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        compiled._init_handles()  # load it now: a capture could not
+        params = kernel.params[len(host_args):]
+        if params[-1].name != "c_host_desc":
+            raise RuntimeError(f"unexpected parameters {[p.name for p in params]}")
+        tail = tuple(host_meta[p.name] if p.name in host_meta else p.default
+                     for p in params[:-1])
+    except Exception as error:  # noqa: BLE001 -- captures keep device-built descriptors
+        LOG.warning("torch_triton_gemm: CUDA graph captures of a GEMM keep device-built TMA "
+                    "descriptors: its host-descriptor variant failed to build: %s", error)
         _VARIANTS[key] = None
         return True
-    host_args, host_meta = described
-    compiled = kernel.warmup(*host_args, grid=grid, **host_meta)  # (from the JIT's cache)
-    if hasattr(compiled, "result"):
-        compiled = compiled.result()
-    compiled._init_handles()  # load it now: a capture could not
-    params = kernel.params[len(host_args):]
-    assert params[-1].name == "c_host_desc"
-    tail = tuple(host_meta[p.name] if p.name in host_meta else p.default for p in params[:-1])
     _VARIANTS[key] = _Loaded(compiled, tail)
     return True
+
+
+def _compiling() -> int:
+    """Host-descriptor variants being compiled."""
+    return sum(isinstance(state, Future) and not state.done() for state in _VARIANTS.values())
+
+
+def _want(key: tuple[Any, ...]) -> None:
+    global GENERATION
+    _WANTED.add(key)
+    GENERATION += 1
 
 
 def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                     meta: Mapping[str, Any], device: int, stream: int) -> bool:
     """Launch ``kernel`` with host-built descriptors on ``stream`` (which is capturing) where
-    its host-descriptor variant is loaded; whether it did (else the caller launches as usual)."""
-    loaded = _VARIANTS.get(variant_key(kernel, args, meta, device))
+    its host-descriptor variant is loaded; whether it did (else the caller launches as usual,
+    and the variant is wanted from then on)."""
+    if _OFF:
+        return False
+    key = variant_key(kernel, args, meta, device)
+    loaded = _VARIANTS.get(key, False)
     if not isinstance(loaded, _Loaded):
+        if loaded is False and key not in _WANTED:
+            _want(key)
         return False
     described = describe(args, meta)
     if described is None:
@@ -148,25 +191,56 @@ def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     return True
 
 
-def prepare_capture(fn: Callable[..., Any], *args: Any, rounds: int = 4, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` eagerly, again after waiting for the compile pool, until
-    every persistent TMA launch it makes has its host-descriptor variant loaded (or settled
-    without one), at most ``rounds`` times; its last result. A CUDA graph captured next then
-    launches those variants (a first eager run only starts compiling them)."""
-    result = None
-    for _ in range(rounds):
-        _UNSETTLED.clear()
-        result = fn(*args, **kwargs)
-        if not _UNSETTLED:
-            break
-        POOL.drain()
-    return result
+def prepare_capture(fn: Callable[..., Any], *args: Any, rounds: int = 8, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` eagerly -- a model's step, say -- until every persistent TMA
+    launch it makes has its host-descriptor variant loaded (or settled without one), waiting
+    for the compile pool between runs (usually three runs: one submits, one finds them compiled
+    and loads them, one finds nothing left), at most ``rounds`` runs; returns the last run's
+    result. A CUDA graph captured next launches those variants.
+
+    Example:
+        >>> out = tg.prepare_capture(model, static_input)
+        >>> graph = torch.cuda.CUDAGraph()
+        >>> with torch.cuda.graph(graph):
+        ...     out = model(static_input)
+    """
+    global _PREPARING, GENERATION
+    _PREPARING += 1
+    GENERATION += 1  # (kept eager launches check their variants again)
+    try:
+        result = None
+        for _ in range(rounds):
+            _UNSETTLED.clear()
+            result = fn(*args, **kwargs)
+            if not _UNSETTLED:
+                return result
+            POOL.drain()
+        LOG.warning("torch_triton_gemm.prepare_capture: %d GEMM launches still had their "
+                    "host-descriptor variants compiling after %d runs; captures launch the "
+                    "device-descriptor variants until an eager run loads them",
+                    len(_UNSETTLED), rounds)
+        return result
+    finally:
+        _PREPARING -= 1
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Inside the block, launches neither build nor launch host-descriptor variants (tuning
+    times plans as eager calls launch them)."""
+    global _OFF
+    _OFF += 1
+    try:
+        yield
+    finally:
+        _OFF -= 1
 
 
 def forget() -> None:
     """Forget every host-descriptor variant (tests; a forked child, whose compile jobs are
     gone)."""
     _VARIANTS.clear()
+    _WANTED.clear()
     _UNSETTLED.clear()
 
 

@@ -495,17 +495,19 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     small GEMM is mostly this path's."""
     device = _current_device() if not _INTERPRETED else None
     direct = prepared.compiled[-1].get(device)
-    if direct is None or _launch_hooks_set() or (
-            # The persistent TMA kernel until its host-descriptor variant is loaded, and in
-            # CUDA graph captures, which launch that variant (graph_descriptors).
-            direct.tma_host is not None and (
-                not direct.tma_host[0] or torch._C._cuda_isCurrentStreamCapturing())):
+    # The persistent TMA kernel's launches go through run_launch in CUDA graph captures (which
+    # launch its host-descriptor variant where loaded) and while that variant has work left
+    # (graph_descriptors.prepare; settled as of the generation kept in tma_host).
+    tma_host = None if direct is None else direct.tma_host
+    capturing = tma_host is not None and torch._C._cuda_isCurrentStreamCapturing()
+    if direct is None or _launch_hooks_set() or capturing or (
+            tma_host is not None and tma_host[0] != graph_descriptors.GENERATION):
         host_settled = run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
         if direct is None and device is not None:
             direct = _direct_launches(prepared, device)
-        if direct is not None and direct.tma_host is not None:
-            direct.tma_host[0] = host_settled
         if direct is not None:
+            if direct.tma_host is not None and host_settled and not capturing:
+                direct.tma_host[0] = graph_descriptors.GENERATION
             prepared.compiled[-1][device] = direct
         return
     gemm, reduce, workspace_shape, locks_shape, tma, _ = direct
@@ -540,9 +542,9 @@ class _DirectLaunches(NamedTuple):
     workspace_shape: tuple[int, ...] | None
     locks_shape: tuple[int] | None
     tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
-    # The persistent TMA kernel's: [whether its host-descriptor variants are settled] (loaded,
-    # or never to be), which run_launch works towards until then; None for other kernels.
-    tma_host: list[bool] | None
+    # The persistent TMA kernel's: [the graph_descriptors.GENERATION at which its
+    # host-descriptor variants were last found settled, or -1]; None for other kernels.
+    tma_host: list[int] | None
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
@@ -573,7 +575,7 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
     reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
                            _builds_descriptors(prepared),
-                           [False] if prepared.kernel is mm_tma_kernel else None)
+                           [-1] if prepared.kernel is mm_tma_kernel else None)
 
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
