@@ -14,8 +14,9 @@ import torch
 from samples import randn
 
 import torch_triton_gemm as tg
+from torch_triton_gemm import tuning
 from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
-from torch_triton_gemm.ops import launcher
+from torch_triton_gemm.ops import graph_descriptors, launcher, operands
 from torch_triton_gemm.ops import mm as mm_module
 
 _STREAM = 7
@@ -56,6 +57,7 @@ def recorder(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(launcher, "_INTERPRETED", False)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_current_stream", lambda device: _STREAM)
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
     for kernel in (mm_kernel, mm_tma_kernel, splitk_reduce_kernel):
         if not hasattr(kernel, "params"):  # the interpreter's kernels: the JIT's parameters
@@ -137,3 +139,45 @@ def test_launch_hooks_send_calls_through_the_jit(recorder, device, monkeypatch):
     tg.mm(a, b)
     tg.mm(a, b)
     assert len(recorder.jit) == 3 and recorder.direct == []
+
+
+def test_kept_tma_launches_prepare_host_descriptor_variants_until_settled(recorder, device,
+                                                                          monkeypatch):
+    """The persistent TMA kernel's kept eager launches (ops/graph_descriptors.py): each call
+    goes through run_launch, which prepares the host-descriptor variant, until that is settled;
+    then the direct path, until more variants are wanted (a new generation); a capture goes
+    through run_launch, which launches the loaded variant, and leaves the kept state alone."""
+    monkeypatch.setattr(operands._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(mm_module, "plan_mm", lambda *args: tuning.MMPlan(
+        "tma", tuning.TileConfig(16, 32, 32, 1, 4, 2)))
+    monkeypatch.setattr(graph_descriptors, "GENERATION", 5)
+    settled, prepared, captured = [False], [], []
+    monkeypatch.setattr(graph_descriptors, "prepare",
+                        lambda kernel, grid, args, meta, device: prepared.append(args[0])
+                        or settled[0])
+    monkeypatch.setattr(graph_descriptors, "launch_captured",
+                        lambda kernel, grid, args, meta, device, stream:
+                        captured.append((args[0], stream)) or True)
+    a = randn((3, 64), torch.float16, device)
+    b = randn((48, 64), torch.float16, device).t()
+
+    def calls() -> tuple[int, int, int, int]:
+        return len(recorder.jit), len(recorder.direct), len(prepared), len(captured)
+
+    tg.mm(a, b)
+    tg.mm(a, b)  # not settled: run_launch again (its kept compiled kernel), prepared again
+    assert calls() == (1, 1, 2, 0) and recorder.jit[0][0] == "mm_tma_kernel"
+    settled[0] = True
+    tg.mm(a, b)  # settled now
+    tg.mm(a, b)  # direct
+    assert calls() == (1, 3, 3, 0)
+    monkeypatch.setattr(graph_descriptors, "GENERATION", 6)  # more variants wanted
+    tg.mm(a, b)
+    tg.mm(a, b)
+    assert calls() == (1, 5, 4, 0)
+    monkeypatch.setattr(launcher, "_capturing", lambda: True)
+    tg.mm(a, b)  # captured: the loaded host variant, nothing else launched
+    assert calls() == (1, 5, 4, 1) and captured[0] == (a, _STREAM)
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
+    tg.mm(a, b)  # still settled at generation 6: direct
+    assert calls() == (1, 6, 4, 1)

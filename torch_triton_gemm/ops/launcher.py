@@ -253,9 +253,8 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     capture of the same launches to run, or never to be (graph_descriptors.prepare)."""
     # Eager launches of the persistent TMA kernel: captured ones take host-built descriptors
     # where that variant is loaded; others prepare it (graph_descriptors).
-    host_descriptors = (prepared.kernel is mm_tma_kernel and not traceable
-                        and not _INTERPRETED and a.device.type == "cuda")
-    capturing = host_descriptors and torch._C._cuda_isCurrentStreamCapturing()
+    host_descriptors = prepared.kernel is mm_tma_kernel and not traceable and not _INTERPRETED
+    capturing = host_descriptors and _capturing()
     host_settled = not capturing  # (a capture prepares nothing)
     if _builds_descriptors(prepared):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
@@ -406,9 +405,11 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
 
 # Fixed for the process once kernels are decorated (see device.interpreter_enabled).
 _INTERPRETED = _device.interpreter_enabled()
-# The current CUDA device's index, and a device's current stream (CUDA builds of torch).
+# The current CUDA device's index, a device's current stream, and whether the current stream is
+# capturing a CUDA graph (CUDA builds of torch).
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 # Triton's runtime knobs (3.4+), where its launch hooks live; direct launches rely on the
 # launcher contract of those versions (grid, stream, function, metadata, hooks, arguments) and
 # are not used on older ones.
@@ -499,7 +500,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     # launch its host-descriptor variant where loaded) and while that variant has work left
     # (graph_descriptors.prepare; settled as of the generation kept in tma_host).
     tma_host = None if direct is None else direct.tma_host
-    capturing = tma_host is not None and torch._C._cuda_isCurrentStreamCapturing()
+    capturing = tma_host is not None and _capturing()
     if direct is None or _launch_hooks_set() or capturing or (
             tma_host is not None and tma_host[0] != graph_descriptors.GENERATION):
         host_settled = run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
