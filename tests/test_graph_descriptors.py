@@ -289,6 +289,18 @@ def test_prepare_capture_runs_until_the_host_variants_are_loaded(pool):
     assert graph_descriptors._PREPARING == 0
 
 
+def test_a_variant_prepare_capture_left_compiling_is_loaded_by_a_later_eager_launch(
+        pool, monkeypatch):
+    kernel = _Kernel()
+    args, meta = _small_launch()
+    monkeypatch.setattr(graph_descriptors, "_PREPARING", 1)
+    assert not graph_descriptors.prepare(kernel, (1,), args, meta, 0) and len(pool.jobs) == 1
+    monkeypatch.setattr(graph_descriptors, "_PREPARING", 0)
+    pool.drain()
+    assert graph_descriptors.prepare(kernel, (1,), args, meta, 0)
+    assert kernel.compiled.loads == 1
+
+
 def test_prepare_capture_says_when_it_ran_out_of_rounds(pool, caplog):
     kernel = _Kernel()
     args, meta = _small_launch()

@@ -234,6 +234,14 @@ class CompilePool:
             self._unfinished, self.busy = 0, False
 
 
+def trailing_arguments(kernel: Any, count: int, meta: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a compiled kernel's launcher takes after a launch's first ``count`` arguments: the
+    remaining parameters (it takes every one, constexprs included, in signature order), from
+    ``meta``, else their defaults."""
+    return tuple(meta[param.name] if param.name in meta else param.default
+                 for param in kernel.params[count:])
+
+
 def compile_variant(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
                     meta: Mapping[str, Any], device: int) -> None:
     """Compile one variant into Triton's cache without launching it, on ``device`` (a worker

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-from .compile_pool import POOL, background_switched_off, variant_key
+from .compile_pool import POOL, background_switched_off, trailing_arguments, variant_key
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -101,12 +101,14 @@ def prepare(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     along if it is wanted -- submit its compilation once the compile pool has nothing else to
     do, load it once compiled. Whether nothing is left to do for now: loaded (captures of this
     launch then use it), never to be, or not wanted."""
-    if _OFF:
-        return True
+    if _OFF or not (_PREPARING or _WANTED):
+        return True  # (nothing wanted: no key to work out on an eager launch)
     key = variant_key(kernel, args, meta, device)
     state = _VARIANTS.get(key, False)
-    if state is False and not (_PREPARING or key in _WANTED):
-        return True
+    if state is False:
+        if not _PREPARING and key not in _WANTED:
+            return True
+        _WANTED.add(key)  # (wanted until settled, after prepare_capture too)
     settled = _advance(key, state, kernel, grid, args, meta, device)
     if settled:
         _UNSETTLED.discard(key)
@@ -142,11 +144,10 @@ def _advance(key: tuple[Any, ...], state: Future | _Loaded | None | bool, kernel
         if hasattr(compiled, "result"):
             compiled = compiled.result()
         compiled._init_handles()  # load it now: a capture could not
-        params = kernel.params[len(host_args):]
-        if params[-1].name != "c_host_desc":
-            raise RuntimeError(f"unexpected parameters {[p.name for p in params]}")
-        tail = tuple(host_meta[p.name] if p.name in host_meta else p.default
-                     for p in params[:-1])
+        if kernel.params[-1].name != "c_host_desc":
+            raise RuntimeError("the kernel's last parameter is not c_host_desc")
+        # (c_host_desc, last, is this launch's: launch_captured passes it.)
+        tail = trailing_arguments(kernel, len(host_args), host_meta)[:-1]
     except Exception as error:  # noqa: BLE001 -- captures keep device-built descriptors
         LOG.warning("torch_triton_gemm: CUDA graph captures of a GEMM keep device-built TMA "
                     "descriptors: its host-descriptor variant failed to build: %s", error)

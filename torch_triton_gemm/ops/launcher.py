@@ -26,7 +26,7 @@ from ..kernels import wgmma_fp8
 from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from . import graph_descriptors
 from .checks import ceil_div, check, input_precision, needs_int64_indexing
-from .compile_pool import POOL, variant_key
+from .compile_pool import POOL, trailing_arguments, variant_key
 from .operands import Pad, kernel_operands
 
 
@@ -271,16 +271,15 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     elif prepared.counters_shape is not None:
         locks = split_counters(prepared.counters_shape[0], a.device, traceable)
     caches = prepared.compiled or (None,) * (len(prepared.launches) + 2)
+    device = _current_device() if host_descriptors else None
     for (grid, meta, runtime_args), cache in zip(prepared.launches, caches):
         args = (a, b, out, bias, workspace, locks, scale_a, scale_b, *runtime_args)
         if capturing and not _launch_hooks_set() and graph_descriptors.launch_captured(
-                prepared.kernel, grid, args, meta, _current_device(),
-                _current_stream(_current_device())):
+                prepared.kernel, grid, args, meta, device, _current_stream(device)):
             continue
         launch_kernel(prepared.kernel, grid, args, meta, traceable, cache)
         if host_descriptors and not capturing:
-            host_settled &= graph_descriptors.prepare(prepared.kernel, grid, args, meta,
-                                                      _current_device())
+            host_settled &= graph_descriptors.prepare(prepared.kernel, grid, args, meta, device)
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         launch_kernel(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args), meta,
@@ -392,10 +391,8 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
         POOL.notice(time.perf_counter() - start, _kernel_name(kernel))
         if launched is not None and hasattr(launched, "result"):
             launched = launched.result()
-        # The launcher takes every parameter, constexprs included, in signature order.
-        tail = tuple(meta[param.name] if param.name in meta else param.default
-                     for param in kernel.params[len(args):])
-        cache[device] = (launched, (*grid, 1, 1)[:3], tail)
+        cache[device] = (launched, (*grid, 1, 1)[:3],
+                         trailing_arguments(kernel, len(args), meta))
         return True
     launched, (grid_0, grid_1, grid_2), tail = entry
     launched.run(grid_0, grid_1, grid_2, _current_stream(device),
