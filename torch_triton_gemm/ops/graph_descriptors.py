@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import triton  # noqa: F401  before triton.tools: as Triton's first import, 3.6 fails on it
+
 from .compile_pool import POOL, background_switched_off, trailing_arguments, variant_key
 
 try:
