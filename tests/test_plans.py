@@ -178,6 +178,99 @@ def test_splits_that_finish_their_tiles_compile_for_hopper():
     assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True"] * 9
 
 
+_PDL_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+from torch_triton_gemm.kernels.matmul import splitk_reduce_kernel
+
+for pdl in (True, False):
+    compiled = compile_for(mm_kernel, pointers, {**constants, **portable, "PDL": pdl},
+                           ["a_ptr", "b_ptr", "c_ptr"], num_warps=4, num_stages=2,
+                           launch_pdl=pdl)
+    ptx = compiled.asm["ptx"]
+    print(compiled.metadata.launch_pdl, "griddepcontrol.wait" in ptx,
+          "griddepcontrol.launch_dependents" in ptx)
+reduce = compile_for(splitk_reduce_kernel,
+                     {"ws_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16"},
+                     dict(HAS_BIAS=False, ACTIVATION="none", INDEX_64=False, SPLIT_K=3,
+                          TILE_M=64, TILE_N=64, GROUP_M=8, BLOCK_M=32, BLOCK_N=64, PDL=True),
+                     ["ws_ptr", "c_ptr"], num_warps=4, launch_pdl=True)
+ptx = reduce.asm["ptx"]
+print(reduce.metadata.launch_pdl, "griddepcontrol.wait" in ptx,
+      "griddepcontrol.launch_dependents" in ptx)
+"""
+
+
+def test_dependent_launch_compiles_for_hopper():
+    """The sm_90 builds with programmatic dependent launch wait for the kernel before and let
+    the next one launch (griddepcontrol); the default builds do neither."""
+    from test_mm import _run_without_interpreter
+
+    lines = _run_without_interpreter(_PDL_COMPILE_SCRIPT).splitlines()
+    assert lines == ["True True True", "False False False", "True True True"]
+
+
+def test_dependent_launch_for_eager_single_waves_on_hopper(monkeypatch):
+    monkeypatch.delenv("TORCH_TRITON_GEMM_PDL", raising=False)
+    assert tuning.dependent_launch(132, 132, (9, 0))
+    assert not tuning.dependent_launch(133, 132, (9, 0))  # a second wave
+    assert not tuning.dependent_launch(1, 132, (8, 0))  # no griddepcontrol before sm_90
+    assert not tuning.dependent_launch(1, 132, (0, 0))  # (the launcher's traced launches)
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PDL", "0")
+    assert not tuning.dependent_launch(1, 132, (9, 0))
+    plan = PLANS["portable"]
+    meta = tuning.launch_meta(plan, False, pdl=True)
+    assert meta["PDL"] and meta["launch_pdl"]
+    # Passed either way (torch.compile's Triton kernel wrapper takes no parameter defaults).
+    assert tuning.launch_meta(plan, False)["PDL"] is False
+    assert "launch_pdl" not in tuning.launch_meta(plan, False)
+
+
+@pytest.mark.gpu
+def test_gpu_dependent_launches_read_what_the_kernel_before_wrote():
+    """On an H100: single-wave eager launches (a plain tile, a split with its reduction) use
+    programmatic dependent launch, a launch of several waves does not; chains of products
+    where each reads the one before's output, eager and replayed from a CUDA graph, match
+    float64 references (a launch that read its input before the kernel before had finished
+    would read stale or poisoned values)."""
+    if launcher._device.capability(torch.device("cuda")) < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    w = randn((256, 256), torch.float16, "cuda") / 16
+    cases = {"portable": (64, PLANS["portable"], True),  # 32 tiles
+             "split": (64, PLANS["portable-split3"], True),  # 96 units and their reduction
+             "waves": (512, tuning.MMPlan("portable", tuning.TileConfig(16, 16, 32, 1, 4, 2)),
+                       False)}  # 512 tiles
+    for name, (rows, plan, single_wave) in cases.items():
+        x = randn((rows, 256), torch.float16, "cuda")
+        out = x.new_empty((rows, 256))
+        prepared = launcher.prepare_launch(x, w, None, out, "none", False, plan, None)
+        metas = [meta for _, meta, _ in prepared.launches]
+        if prepared.reduce is not None:
+            metas.append(prepared.reduce[2])
+        assert all(bool(meta.get("PDL")) == single_wave for meta in metas), name
+
+        def chain(x: torch.Tensor, plan: tuning.MMPlan = plan) -> torch.Tensor:
+            with tuning.force_plan(plan):
+                for _ in range(8):
+                    x = tg.mm(x, w)
+            return x
+
+        expected = x.double()
+        for _ in range(8):
+            expected = expected @ w.double()
+        assert rel_error(chain(x), expected) <= 2e-2, name
+        static = x.clone()
+        chain(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = chain(static)
+        fresh = randn((rows, 256), torch.float16, "cuda")
+        static.copy_(fresh)
+        graph.replay()
+        expected = fresh.double()
+        for _ in range(8):
+            expected = expected @ w.double()
+        assert rel_error(result, expected) <= 2e-2, name
+
+
 def test_splits_past_the_fixup_limit_keep_the_reduction(device):
     many = tuning.FIXUP_MAX_SPLITS + 4
     plan = tuning.MMPlan("portable", SMALL_TILE, split_k=many, split_fixup=True)

@@ -168,7 +168,7 @@ def mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
     A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
-    M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr,
+    M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -182,7 +182,8 @@ def mm_kernel(
     # which this kernel does not run.) M_ALIGN / N_ALIGN: powers of two dividing M / N (1:
     # nothing known beyond Triton's own specialisation), so that the wrapped rows (columns)
     # stay contiguous in runs of that many and an operand contiguous along M (N) loads in
-    # vectors (tuning.size_alignment).
+    # vectors (tuning.size_alignment). PDL: launched with programmatic dependent launch (see
+    # dependent_launch_wait).
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
                                      SPLIT)
@@ -196,6 +197,7 @@ def mm_kernel(
         rows = tl.max_contiguous(tl.multiple_of(rows, M_ALIGN), M_ALIGN)
     if N_ALIGN > 1:
         cols = tl.max_contiguous(tl.multiple_of(cols, N_ALIGN), N_ALIGN)
+    dependent_launch_wait(PDL)
     acc = k_loop(
         a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start, k_len,
         stride_am, stride_ak, stride_bk, stride_bn,
@@ -203,6 +205,7 @@ def mm_kernel(
         BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
         SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, A_M_ALIGN, A_K_ALIGN, B_K_ALIGN, B_N_ALIGN,
     )
+    dependent_launch_trigger(PDL)
     acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
     if SPLIT:
         store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)
@@ -215,6 +218,26 @@ def mm_kernel(
             acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
             HAS_BIAS, ACTIVATION,
         )
+
+
+@triton.jit
+def dependent_launch_wait(PDL: tl.constexpr):
+    """With programmatic dependent launch (PDL, sm_90+), a kernel may start while the one
+    before it on the stream is finishing, to overlap its launch and set-up with that kernel's
+    tail; it must wait for that kernel to finish (and its writes to show) before touching
+    memory, here. tgemm launches single-wave portable GEMMs and split-K reductions so (the
+    launcher's rule, tuning.launch_meta), where the launch costs about as much as the work."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def dependent_launch_trigger(PDL: tl.constexpr):
+    """With PDL: let the next kernel on the stream start launching (each program calls this
+    once its main loop is done: the next kernel's programs, which wait for this one to finish,
+    then only overlap the epilogue, not take SMs this one still needs)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -379,7 +402,7 @@ def splitk_reduce_kernel(
     ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, first_tile,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
     SPLIT_K: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One program sums the SPLIT_K fp32 partials of one [BLOCK_M, BLOCK_N] block of one split
     # [TILE_M, TILE_N] tile of C (the GEMM's tiles, in its order) in split order (deterministic:
@@ -402,8 +425,10 @@ def splitk_reduce_kernel(
     ptrs = ws_ptr + widen(index, INDEX_64) * tile_size + in_m[:, None] * TILE_N + in_n[None, :]
     split_tiles = tl.cdiv(M, TILE_M) * tl.cdiv(N, TILE_N) - first_tile
     split_stride = widen(split_tiles, INDEX_64) * tile_size
+    dependent_launch_wait(PDL)
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for split in tl.static_range(1, SPLIT_K):
         acc += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
+    dependent_launch_trigger(PDL)
     store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
                    HAS_BIAS, ACTIVATION)

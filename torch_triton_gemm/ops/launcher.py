@@ -161,6 +161,11 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   tuning.size_alignment(M, False) if _unit(stride_am) else 1,
                   tuning.size_alignment(N, True) if _unit(stride_bn) else 1)
 
+    # Programmatic dependent launch for eager single-wave launches (tuning.dependent_launch);
+    # traced launches keep plain ones.
+    pdl_capability = (_device.capability(device) if device.type == "cuda" and not traceable
+                      and not _INTERPRETED else (0, 0))
+
     def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
         # Runtime arguments after the tensors (a, b, out, bias, workspace, locks, scale_a,
@@ -173,8 +178,10 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         stages = None
         if kernel is mm_kernel and type(k_per_split) is int:
             stages = tuning.pipeline_stages(tile.num_stages, ceil_div(k_per_split, tile.block_k))
+        pdl = kernel is mm_kernel and tuning.dependent_launch(units, num_sms(device),
+                                                              pdl_capability)
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0, aligns, stages)
+                                  split_k if fixup else 0, aligns, stages, pdl)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
         grid = ((programs if sk_tiles else min(programs, units)),) if (
             kernel is mm_tma_kernel) else (units,)
@@ -192,13 +199,17 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
                                                          tile.block_n, num_sms(device))
         blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
+        reduce_programs = (tiles - whole_tiles) * blocks
         reduce = (
-            ((tiles - whole_tiles) * blocks,),
+            (reduce_programs,),
             (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, bias is not None,
              activation, index_64),
             {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
              "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
-             "num_warps": num_warps},
+             "num_warps": num_warps,
+             **(tuning.PDL_META if tuning.dependent_launch(reduce_programs, num_sms(device),
+                                                           pdl_capability)
+                else tuning.NO_PDL_META)},
         )
     workspace = locks = counters = None
     if split_k > 1:
