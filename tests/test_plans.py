@@ -151,7 +151,7 @@ pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*
 constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
-                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1)
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1, PDL=False)
 portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1)
 """
 
@@ -196,6 +196,17 @@ reduce = compile_for(splitk_reduce_kernel,
 ptx = reduce.asm["ptx"]
 print(reduce.metadata.launch_pdl, "griddepcontrol.wait" in ptx,
       "griddepcontrol.launch_dependents" in ptx)
+tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=1,
+           STREAM_K=False, HOST_DESCRIPTORS=False, c_host_desc=None)
+for warp_specialize in (False, True):
+    for pdl in (True, False):
+        compiled = compile_for(mm_tma_kernel, pointers,
+                               {**constants, **tma, "WARP_SPECIALIZE": warp_specialize,
+                                "PDL": pdl}, ["a_ptr", "b_ptr", "c_ptr"], num_warps=4,
+                               num_stages=3, launch_pdl=pdl)
+        ptx = compiled.asm["ptx"]
+        print(compiled.metadata.launch_pdl, "griddepcontrol.wait" in ptx,
+              "griddepcontrol.launch_dependents" in ptx)
 """
 
 
@@ -205,7 +216,9 @@ def test_dependent_launch_compiles_for_hopper():
     from test_mm import _run_without_interpreter
 
     lines = _run_without_interpreter(_PDL_COMPILE_SCRIPT).splitlines()
-    assert lines == ["True True True", "False False False", "True True True"]
+    # The portable kernel, the reduction, the persistent TMA kernel (plain, warp-specialized).
+    assert lines == ["True True True", "False False False", "True True True"] + [
+        "True True True", "False False False"] * 2
 
 
 def test_dependent_launch_for_eager_single_waves_on_hopper(monkeypatch):
@@ -226,18 +239,21 @@ def test_dependent_launch_for_eager_single_waves_on_hopper(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_dependent_launches_read_what_the_kernel_before_wrote():
-    """On an H100: single-wave eager launches (a plain tile, a split with its reduction) use
-    programmatic dependent launch, a launch of several waves does not; chains of products
-    where each reads the one before's output, eager and replayed from a CUDA graph, match
-    float64 references (a launch that read its input before the kernel before had finished
-    would read stale or poisoned values)."""
+    """On an H100: single-wave eager launches (a plain tile, a split with its reduction, the
+    persistent TMA kernel's, split or not) use programmatic dependent launch, a launch of
+    several waves does not; chains of products where each reads the one before's output,
+    eager and replayed from a CUDA graph (after prepare_capture: the TMA launches' captures
+    pass host-built descriptors), match float64 references (a launch that read its input
+    before the kernel before had finished would read stale or poisoned values)."""
     if launcher._device.capability(torch.device("cuda")) < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     w = randn((256, 256), torch.float16, "cuda") / 16
     cases = {"portable": (64, PLANS["portable"], True),  # 32 tiles
              "split": (64, PLANS["portable-split3"], True),  # 96 units and their reduction
              "waves": (512, tuning.MMPlan("portable", tuning.TileConfig(16, 16, 32, 1, 4, 2)),
-                       False)}  # 512 tiles
+                       False),  # 512 tiles
+             "tma": (512, PLANS["tma"], True),  # 256 tiles, persistent
+             "tma-split": (64, PLANS["tma-split3"], True)}
     for name, (rows, plan, single_wave) in cases.items():
         x = randn((rows, 256), torch.float16, "cuda")
         out = x.new_empty((rows, 256))
@@ -258,7 +274,7 @@ def test_gpu_dependent_launches_read_what_the_kernel_before_wrote():
             expected = expected @ w.double()
         assert rel_error(chain(x), expected) <= 2e-2, name
         static = x.clone()
-        chain(static)
+        tg.prepare_capture(chain, static)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             result = chain(static)

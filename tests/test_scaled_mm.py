@@ -644,7 +644,7 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
 gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=False, A_M_CONTIGUOUS=False,
             B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False,
             STREAM_K=False, SPLIT_FIXUP=False, SPLIT_K=1, HOST_DESCRIPTORS=False,
-            c_host_desc=None)
+            c_host_desc=None, PDL=False)
 compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
             SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, **gemm)
 compile_for(mm_tma_kernel, 90, "e5m2", "fp32", (128, 128, 128, 8, 3), SCALING="outer",

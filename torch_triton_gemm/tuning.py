@@ -668,8 +668,8 @@ def launch_meta(plan: MMPlan, split: bool,
     stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; ``num_stages``
     (the portable kernel's, when K is known): its pipeline depth, ``pipeline_stages`` of the
     tile's for the K steps each program takes (the depth, not the steps, keys this cache, so
-    that it stays as small as the plans); ``pdl`` (the portable kernel's): launched with
-    programmatic dependent launch (``dependent_launch``); read-only."""
+    that it stays as small as the plans); ``pdl``: launched with programmatic dependent launch
+    (``dependent_launch``); read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -687,8 +687,8 @@ def launch_meta(plan: MMPlan, split: bool,
          meta["M_ALIGN"], meta["N_ALIGN"]) = aligns
         if num_stages is not None:
             meta["num_stages"] = num_stages
-        # (Passed either way: torch.compile's Triton kernel wrapper takes no defaults.)
-        meta.update(PDL_META if pdl else NO_PDL_META)
+    # (Passed either way: torch.compile's Triton kernel wrapper takes no defaults.)
+    meta.update(PDL_META if pdl else NO_PDL_META)
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1
@@ -703,12 +703,13 @@ _PDL_ENV = "TORCH_TRITON_GEMM_PDL"
 
 
 def dependent_launch(programs: int, num_sms: int, capability: tuple[int, int]) -> bool:
-    """Whether an eager launch of ``programs`` programs of the portable GEMM or the split-K
+    """Whether an eager launch of ``programs`` programs of a GEMM kernel or the split-K
     reduction uses programmatic dependent launch: on sm_90+, for a single wave (``programs`` <=
-    ``num_sms``), unless TORCH_TRITON_GEMM_PDL=0. Its launch and set-up then overlap the end of
-    the kernel before it, which is about what a small product takes; a launch of several waves
-    gains little and its early programs would hold SMs the kernel before still needs (tried on
-    every launch, H100: 1000^3 took 15.7 us against 13.3)."""
+    ``num_sms``; the persistent TMA kernel's grid always is), unless TORCH_TRITON_GEMM_PDL=0.
+    Its launch and set-up then overlap the end of the kernel before it, which is about what a
+    small product takes; a launch of several waves gains little and its early programs would
+    hold SMs the kernel before still needs (tried on every portable launch, H100: 1000^3 took
+    15.7 us against 13.3)."""
     return capability >= (9, 0) and programs <= num_sms and env.flag(_PDL_ENV, True)
 
 

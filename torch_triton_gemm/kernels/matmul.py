@@ -225,8 +225,9 @@ def dependent_launch_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL, sm_90+), a kernel may start while the one
     before it on the stream is finishing, to overlap its launch and set-up with that kernel's
     tail; it must wait for that kernel to finish (and its writes to show) before touching
-    memory, here. tgemm launches single-wave portable GEMMs and split-K reductions so (the
-    launcher's rule, tuning.launch_meta), where the launch costs about as much as the work."""
+    memory, here. tgemm launches single-wave GEMMs (the persistent TMA kernel always is one)
+    and split-K reductions so (tuning.dependent_launch), where the launch costs about as much
+    as the work."""
     if PDL:
         tl.extra.cuda.gdc_wait()
 
@@ -292,7 +293,7 @@ def mm_tma_kernel(
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    HOST_DESCRIPTORS: tl.constexpr = False, c_host_desc=None,
+    PDL: tl.constexpr = False, HOST_DESCRIPTORS: tl.constexpr = False, c_host_desc=None,
 ):
     # Persistent: one program per SM, each looping over the ``units`` work units (see
     # work_unit) in L2-grouped order, stepping by the number of programs, so no wave of
@@ -310,7 +311,13 @@ def mm_tma_kernel(
     # The runtime arguments match mm_kernel's, so both launch from one argument tuple.
     # HOST_DESCRIPTORS: a_ptr and b_ptr are the operands' descriptors as the launcher built
     # them on the host, and c_host_desc C's (with C_TMA), described as below; building them
-    # here costs each program about 0.8 us per descriptor before its first load.
+    # here costs each program about 0.8 us per descriptor before its first load (c_host_desc
+    # stays the last parameter: the launcher appends it after the others).
+    # PDL: launched with programmatic dependent launch (see dependent_launch_wait); it waits
+    # before building descriptors too, which Triton writes to scratch memory that the kernel
+    # before may still be reading (the allocator reuses it in stream order). Each program lets
+    # the next kernel launch once its last unit's main loop is done.
+    dependent_launch_wait(PDL)
     start = tl.program_id(axis=0)
     programs = tl.num_programs(axis=0)
     if HOST_DESCRIPTORS:
@@ -384,6 +391,9 @@ def mm_tma_kernel(
             k_tiles, sa_ptr, sb_ptr, rows, cols, K, stride_sam, stride_sak, stride_sbk,
             stride_sbn, A_M_CONTIGUOUS, B_K_CONTIGUOUS, INPUT_PRECISION, UPCAST_TO_FP32,
             SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, BLOCK_K)
+        if PDL:
+            if unit + programs >= units:  # this program's last unit
+                dependent_launch_trigger(PDL)
         acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
         if SPLIT:
             store_partial(acc, ws_ptr, unit, offs_m, offs_n, M, N, BLOCK_M, BLOCK_N, INDEX_64)

@@ -178,13 +178,12 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         stages = None
         if kernel is mm_kernel and type(k_per_split) is int:
             stages = tuning.pipeline_stages(tile.num_stages, ceil_div(k_per_split, tile.block_k))
-        pdl = kernel is mm_kernel and tuning.dependent_launch(units, num_sms(device),
-                                                              pdl_capability)
-        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0, aligns, stages, pdl)
         # Stream-K needs every program (each takes a share of the shared tiles' K steps).
         grid = ((programs if sk_tiles else min(programs, units)),) if (
             kernel is mm_tma_kernel) else (units,)
+        pdl = tuning.dependent_launch(grid[0], num_sms(device), pdl_capability)
+        meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
+                                  split_k if fixup else 0, aligns, stages, pdl)
         return grid, {**meta, **flags} if flags else meta, runtime_args
 
     launches = []
