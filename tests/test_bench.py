@@ -1245,6 +1245,22 @@ def test_plan_sweep_passes_keep_each_plans_best_time_and_errors():
     assert failed[0]["error"] == "E: y" and "us" not in failed[0] and "ratio" not in failed[0]
 
 
+def test_plan_sweep_trailing_keeps_the_cases_below_the_ratio(tmp_path):
+    from torch_triton_gemm.bench import plans
+
+    rows = [{"name": "8x8x8", "dtype": "bf16", "ratio": "0.5"},
+            {"name": "8x8x8", "dtype": "fp16", "ratio": "0.9"},
+            {"name": "9x9x9 b-row", "dtype": "fp16", "ratio": "0.79"},
+            {"name": "7x7x7", "dtype": "fp16", "ratio": "", "error": "RuntimeError: x"}]
+    path = tmp_path / "chosen.csv"
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, ["name", "dtype", "ratio", "error"])
+        writer.writeheader()
+        writer.writerows(rows)
+    assert plans.trailing_cases(str(path), 0.8) == {("8x8x8", "bf16"), ("9x9x9 b-row", "fp16")}
+    assert plans.trailing_cases(str(path), 0.5) == set()
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
     """What the plan sweep times: a plan launched into the problem's output and into a fresh

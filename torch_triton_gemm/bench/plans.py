@@ -358,6 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "a-row, a-col (x.t()), b-col (W.t()), b-row)")
     parser.add_argument("--kernels", default=None,
                         help="only plans of these kernels (comma-separated: portable, tma)")
+    parser.add_argument("--trailing", default=None, metavar="CSV",
+                        help="only the cases (and dtypes) whose rows in CSV, an earlier run's "
+                             "(--chosen-only), ran below --below of cuBLAS: time every plan "
+                             "where the planner's pick trailed")
+    parser.add_argument("--below", type=float, default=0.8, metavar="R",
+                        help="with --trailing: the ratio to cuBLAS under which a case is kept")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     parser.add_argument("--fixup-ab", action="store_true",
@@ -391,8 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = [case for case in cases if case.m in ms]
     # fp8 products take their dtype from their recipe: once, whatever --dtypes says.
     dtypes = args.dtypes.split(",")
+    wanted = None if args.trailing is None else trailing_cases(args.trailing, args.below)
     jobs = [(case, dtype, *case_plans(case, dtype)) for case in cases
-            for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)]
+            for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)
+            if wanted is None or (case.name, dtype) in wanted]
     if args.chosen_only or args.fixup_ab or args.launch_variants:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
@@ -445,6 +453,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 writer.writerows(rows)
     print(f"timed {timed} plans in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
+
+
+def trailing_cases(path: str, below: float) -> set[tuple[str, str]]:
+    """(case name, dtype) of the rows of the plan-sweep CSV at ``path`` whose ratio to cuBLAS
+    is below ``below`` (rows without a ratio, failed ones, are left out)."""
+    with open(path, newline="") as file:
+        return {(row["name"], row["dtype"]) for row in csv.DictReader(file)
+                if row.get("ratio") and float(row["ratio"]) < below}
 
 
 def faster_rows(first: Sequence[dict[str, object]],
