@@ -239,12 +239,13 @@ def test_dependent_launch_for_eager_single_waves_on_hopper(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_dependent_launches_read_what_the_kernel_before_wrote():
-    """On an H100: single-wave eager launches (a plain tile, a split with its reduction, the
-    persistent TMA kernel's, split or not) use programmatic dependent launch, a launch of
-    several waves does not; chains of products where each reads the one before's output,
-    eager and replayed from a CUDA graph (after prepare_capture: the TMA launches' captures
-    pass host-built descriptors), match float64 references (a launch that read its input
-    before the kernel before had finished would read stale or poisoned values)."""
+    """On an H100: single-wave eager launches (a plain tile, a split with its reduction or
+    finishing its own tiles, the persistent TMA kernel's: split, stream-K, warp-specialized)
+    use programmatic dependent launch, a launch of several waves does not; chains of products
+    where each reads the one before's output, eager and replayed from a CUDA graph (after
+    prepare_capture: the TMA launches' captures pass host-built descriptors), match float64
+    references (a launch that read its input before the kernel before had finished would read
+    stale or poisoned values)."""
     if launcher._device.capability(torch.device("cuda")) < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     w = randn((256, 256), torch.float16, "cuda") / 16
@@ -253,7 +254,14 @@ def test_gpu_dependent_launches_read_what_the_kernel_before_wrote():
              "waves": (512, tuning.MMPlan("portable", tuning.TileConfig(16, 16, 32, 1, 4, 2)),
                        False),  # 512 tiles
              "tma": (512, PLANS["tma"], True),  # 256 tiles, persistent
-             "tma-split": (64, PLANS["tma-split3"], True)}
+             "tma-split": (64, PLANS["tma-split3"], True),
+             # Splits that finish their own tiles (counters the kernel resets), stream-K's
+             # hand-over of partials, warp specialization.
+             "portable-fixup": (64, PLANS["portable-split3-fixup"], True),
+             "tma-fixup": (64, PLANS["tma-split3-fixup"], True),
+             "tma-stream-k": (512, PLANS["tma-stream-k"], True),
+             "tma-ws": (512, tuning.MMPlan("tma", tuning.TileConfig(128, 128, 64, 8, 8, 3),
+                                           warp_specialize=True, epilogue_subtile=2), True)}
     for name, (rows, plan, single_wave) in cases.items():
         x = randn((rows, 256), torch.float16, "cuda")
         out = x.new_empty((rows, 256))

@@ -110,7 +110,8 @@ def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Te
     # Device-side TMA descriptors live in a small global-memory scratch buffer that Triton asks
     # its allocator for at each launch. tgemm's own eager launches (inside ``SHARED_SCRATCH``)
     # take one buffer per device and stream, grown on demand: kernels on one stream run one
-    # after another (tgemm launches none with programmatic dependent launch), so a launch may
+    # after another (those tgemm launches with programmatic dependent launch wait for the one
+    # before before building descriptors: kernels/matmul.py), so a launch may
     # take the buffer of the previous one, which saves an allocation per launch (host time of
     # small eager GEMMs). Other launches -- kernels of other libraries that use this allocator,
     # graphs compiled by Inductor, CUDA graph captures (a graph may replay on any stream,

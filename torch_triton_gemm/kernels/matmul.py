@@ -220,6 +220,10 @@ def mm_kernel(
         )
 
 
+# Triton's griddepcontrol intrinsics (3.4 on): older releases launch without PDL.
+DEPENDENT_LAUNCH_AVAILABLE = hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+
+
 @triton.jit
 def dependent_launch_wait(PDL: tl.constexpr):
     """With programmatic dependent launch (PDL, sm_90+), a kernel may start while the one

@@ -23,7 +23,12 @@ from torch.library import wrap_triton
 from .. import device as _device
 from .. import tuning
 from ..kernels import wgmma_fp8
-from ..kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
+from ..kernels.matmul import (
+    DEPENDENT_LAUNCH_AVAILABLE,
+    mm_kernel,
+    mm_tma_kernel,
+    splitk_reduce_kernel,
+)
 from . import graph_descriptors
 from .checks import ceil_div, check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, trailing_arguments, variant_key
@@ -162,9 +167,10 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   tuning.size_alignment(N, True) if _unit(stride_bn) else 1)
 
     # Programmatic dependent launch for eager single-wave launches (tuning.dependent_launch);
-    # traced launches keep plain ones.
+    # traced launches keep plain ones, as do ROCm builds (whose "cuda" devices report their own
+    # 9.x) and Triton releases without the intrinsics.
     pdl_capability = (_device.capability(device) if device.type == "cuda" and not traceable
-                      and not _INTERPRETED else (0, 0))
+                      and not _INTERPRETED and _DEPENDENT_LAUNCH else (0, 0))
 
     def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
@@ -412,6 +418,7 @@ def _launch_compiled(cache: dict[int, Any], kernel: Any, grid: tuple[int],
 
 # Fixed for the process once kernels are decorated (see device.interpreter_enabled).
 _INTERPRETED = _device.interpreter_enabled()
+_DEPENDENT_LAUNCH = DEPENDENT_LAUNCH_AVAILABLE and getattr(torch.version, "hip", None) is None
 # The current CUDA device's index, a device's current stream, and whether the current stream is
 # capturing a CUDA graph (CUDA builds of torch).
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
