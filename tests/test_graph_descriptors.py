@@ -72,6 +72,14 @@ def test_host_descriptors_give_the_device_descriptors_bits(device, plan):
             assert rel_error(out, reference(a, b)) <= 1e-2, (layout, m, n, k)
 
 
+def test_c_host_desc_is_the_tma_kernels_last_parameter():
+    """Captures append C's host-built descriptor after the kernel's other arguments (prepare),
+    so a parameter added after it would leave every host-descriptor variant unbuilt -- a
+    warning on a GPU, nothing at all under the interpreter, hence this check."""
+    assert launcher.mm_tma_kernel.arg_names[-1] == "c_host_desc"
+    assert launcher.mm_tma_kernel.arg_names[-2] == "HOST_DESCRIPTORS"
+
+
 def test_nothing_to_describe_without_k_nor_for_fp8_and_fp32_operands():
     meta = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "A_M_CONTIGUOUS": False,
             "B_K_CONTIGUOUS": False, "C_TMA": True, "EPILOGUE_SUBTILE": 1}
