@@ -152,7 +152,8 @@ constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATI
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
                  BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1, PDL=False)
-portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1)
+portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1,
+                N_ODD=False)
 """
 
 _FIXUP_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
@@ -904,6 +905,22 @@ def test_pitch_hints_in_the_portable_launch(monkeypatch, device, hints):
     meta = launcher.prepare_launch(x, w, None, out[:, :36], "none", False, portable,
                                    None).launches[0][1]
     assert (meta["M_ALIGN"], meta["N_ALIGN"]) == ((8, 4) if hints else (1, 1))
+    assert meta["N_ODD"] is False
+    w = randn((k, 200), torch.float16, device)[:, :37]  # N = 37, B contiguous along it
+    meta = launcher.prepare_launch(x, w, None, out[:, :37], "none", False, portable,
+                                   None).launches[0][1]
+    assert (meta["N_ALIGN"], meta["N_ODD"]) == (1, hints)
+    meta = launcher.prepare_launch(x, w.t().contiguous().t(), None, out[:, :37], "none", False,
+                                   portable, None).launches[0][1]
+    assert meta["N_ODD"] is False  # B contiguous along K
+
+
+def test_odd_contiguous():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert [tuning.odd_contiguous(s) for s in (0, 1, 2, 3, 37, 40, 965)] == [
+        False, False, False, True, True, False, True]
+    assert not tuning.odd_contiguous(ShapeEnv().create_unbacked_symint())
 
 
 def test_size_alignment():
@@ -1013,6 +1030,42 @@ for operand, (strides, aligned, hint) in layouts.items():
                                num_warps=4, num_stages=4)
         print(operand, align, len(re.findall(r"ld\\.global", compiled.asm["ptx"])))
 """
+
+
+_ODD_N_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+# B row-major [K, N] with N odd (2536x965x64's launch: one K step, no pipeline): the B tile's
+# load layout (its threads' order) and the widths of its global loads, with and without N_ODD.
+shared = {k: v for k, v in constants.items() if k not in ("stride_ak", "stride_bk")}
+pointers = {**pointers, "a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16"}
+for odd in (False, True):
+    compiled = compile_for(mm_kernel, pointers,
+                           {**shared, **portable, "stride_ak": 1, "stride_bn": 1, "N_ODD": odd},
+                           ["a_ptr", "b_ptr", "c_ptr", "stride_am", "K"], num_warps=4,
+                           num_stages=1)
+    ir = compiled.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#blocked\\d*) = #ttg\\.blocked<\\{(.*)\\}>", ir, re.M))
+    b_load = re.search(r"tt\\.load .*b_.*: tensor<64x64x!tt\\.ptr<f16>, (#blocked\\d*)>", ir)
+    order = re.search(r"order = \\[(\\d), (\\d)\\]", layouts[b_load.group(1)]).groups()
+    loads = sorted(set(re.findall(r"ld\\.global[\\w.]*", compiled.asm["ptx"])))
+    print(odd, "".join(order), ",".join(loads))
+import triton
+print(triton.__version__)
+"""
+
+
+def test_odd_n_lays_b_loads_along_n_for_hopper():
+    """The sm_90 build of the portable kernel for B row-major with N odd: with N_ODD the B
+    tile's loads run along N (order [1, 0]), and B's loads stay scalar 16-bit ones either way
+    (the hint claims no alignment, so no vector load spans the wrap of the columns). Without
+    it Triton 3.6 (what the GPU runs) lays them down K (order [0, 1]: each thread of a warp on
+    another row); later Triton releases already choose N."""
+    from test_mm import _run_without_interpreter
+
+    *lines, version = _run_without_interpreter(_ODD_N_COMPILE_SCRIPT).splitlines()
+    without = "01" if version.startswith("3.6.") else lines[0].split()[1]
+    assert [line.split()[:2] for line in lines] == [["False", without], ["True", "10"]], lines
+    # A's 16-byte loads and B's (and nothing else's) scalar 16-bit ones, the same both ways.
+    assert lines[0].split()[2] == lines[1].split()[2] == "ld.global.b16,ld.global.v4.b32", lines
 
 
 def test_size_hints_give_operands_contiguous_along_m_or_n_vector_copies_for_hopper():

@@ -650,6 +650,14 @@ def size_alignment(size: Any, specialised: bool) -> int:
     return _power_of_two_dividing(size, 16)
 
 
+def odd_contiguous(size: Any) -> bool:
+    """Whether the portable kernel is told that an operand contiguous along its wrapped columns
+    of ``size`` (B along N) is: for odd sizes above 1, where ``size_alignment`` knows no run
+    and Triton would lay the loads out along the other dimension (the kernel's N_ODD). False
+    for symbolic sizes (traced launches must not guard on them)."""
+    return type(size) is int and size > 1 and size % 2 == 1
+
+
 def _power_of_two_dividing(n: int, cap: int) -> int:
     """The largest power of two that divides ``n`` (> 0), at most ``cap``."""
     return min(n & -n, cap)
@@ -659,13 +667,14 @@ def _power_of_two_dividing(n: int, cap: int) -> int:
 def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
                 stream_k: bool = False, fixup_splits: int = 0,
-                aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1),
+                aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1, False),
                 num_stages: int | None = None, pdl: bool = False) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
     themselves, and (``aligns``, the portable kernel's) the ``pitch_alignment`` of stride_am,
-    stride_ak, stride_bk and stride_bn, then the ``size_alignment`` of M and N; ``num_stages``
+    stride_ak, stride_bk and stride_bn, the ``size_alignment`` of M and N, then whether B is
+    contiguous along an odd N (``odd_contiguous``); ``num_stages``
     (the portable kernel's, when K is known): its pipeline depth, ``pipeline_stages`` of the
     tile's for the K steps each program takes (the depth, not the steps, keys this cache, so
     that it stays as small as the plans); ``pdl``: launched with programmatic dependent launch
@@ -684,7 +693,7 @@ def launch_meta(plan: MMPlan, split: bool,
         meta["c_host_desc"] = None
     else:
         (meta["A_M_ALIGN"], meta["A_K_ALIGN"], meta["B_K_ALIGN"], meta["B_N_ALIGN"],
-         meta["M_ALIGN"], meta["N_ALIGN"]) = aligns
+         meta["M_ALIGN"], meta["N_ALIGN"], meta["N_ODD"]) = aligns
         if num_stages is not None:
             meta["num_stages"] = num_stages
     # (Passed either way: torch.compile's Triton kernel wrapper takes no defaults.)

@@ -168,7 +168,8 @@ def mm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
     A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
-    M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr, PDL: tl.constexpr = False,
+    M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr, N_ODD: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -182,7 +183,12 @@ def mm_kernel(
     # which this kernel does not run.) M_ALIGN / N_ALIGN: powers of two dividing M / N (1:
     # nothing known beyond Triton's own specialisation), so that the wrapped rows (columns)
     # stay contiguous in runs of that many and an operand contiguous along M (N) loads in
-    # vectors (tuning.size_alignment). PDL: launched with programmatic dependent launch (see
+    # vectors (tuning.size_alignment). N_ODD: B is contiguous along N and N is odd, so no run of
+    # wrapped columns is known contiguous and Triton, seeing neither of B's dimensions
+    # contiguous, lays its loads out down K (each thread of a warp on another row: on an H100
+    # 2536x965x64 with B row-major ran 2.5x cuBLAS's time); claiming runs of 2 (wrong only at
+    # the wrap; with no divisibility claimed the loads stay scalar, so nothing is read as a
+    # vector across it) lays them along N. PDL: launched with programmatic dependent launch (see
     # dependent_launch_wait).
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
@@ -197,6 +203,8 @@ def mm_kernel(
         rows = tl.max_contiguous(tl.multiple_of(rows, M_ALIGN), M_ALIGN)
     if N_ALIGN > 1:
         cols = tl.max_contiguous(tl.multiple_of(cols, N_ALIGN), N_ALIGN)
+    if N_ODD:
+        cols = tl.max_contiguous(cols, 2)
     dependent_launch_wait(PDL)
     acc = k_loop(
         a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start, k_len,

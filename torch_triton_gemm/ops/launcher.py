@@ -157,14 +157,15 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     else:
         strides, flags = (stride_am, stride_ak, stride_bk, stride_bn), {}
         kernel = mm_kernel
-    aligns = (1, 1, 1, 1, 1, 1)
+    aligns = (1, 1, 1, 1, 1, 1, False)
     if kernel is mm_kernel and tuning.pitch_hints_enabled():
         # M is not specialised on (one kernel for every batch size); N is, but only on
         # multiples of 16. Only an operand contiguous along M (N) gets a size hint, so other
         # layouts compile no more variants.
         aligns = (*(tuning.pitch_alignment(stride, a.element_size()) for stride in strides),
                   tuning.size_alignment(M, False) if _unit(stride_am) else 1,
-                  tuning.size_alignment(N, True) if _unit(stride_bn) else 1)
+                  tuning.size_alignment(N, True) if _unit(stride_bn) else 1,
+                  _unit(stride_bn) and tuning.odd_contiguous(N))
 
     # Programmatic dependent launch for eager single-wave launches (tuning.dependent_launch);
     # traced launches keep plain ones, as do ROCm builds (whose "cuda" devices report their own
