@@ -981,11 +981,13 @@ def test_every_narrow_pitch_matches_float64_with_hints(monkeypatch, device, dtyp
 def test_operands_contiguous_along_m_or_n_match_float64_with_size_hints(monkeypatch, device,
                                                                           dtype):
     """A contiguous along M and B along N, with M and N multiples of 16, 8, 4 and 2 but not of
-    the tile (rows and columns wrap inside a tile), through unsplit, split and tail-split
-    portable plans with the hints on."""
+    the tile (rows and columns wrap inside a tile), or odd (N_ODD: the wrap falls inside a run
+    the kernel is told is contiguous), through unsplit, split and tail-split portable plans
+    with the hints on; K leaves a partial last step."""
     monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1")
     k = 72
-    for m, n in ((48, 40), (40, 36), (36, 50), (50, 24), (8, 8), (112, 18)):
+    for m, n in ((48, 40), (40, 36), (36, 50), (50, 24), (8, 8), (112, 18), (37, 45), (9, 3),
+                 (64, 33)):
         a = randn((k, m), dtype, device).t()  # x.t(): contiguous along M
         b = randn((k, n), dtype, device)  # row-major [K, N]: contiguous along N
         for name in ("portable", "portable-split3", "portable-tail-split3"):
@@ -1048,6 +1050,22 @@ for odd in (False, True):
     order = re.search(r"order = \\[(\\d), (\\d)\\]", layouts[b_load.group(1)]).groups()
     loads = sorted(set(re.findall(r"ld\\.global[\\w.]*", compiled.asm["ptx"])))
     print(odd, "".join(order), ",".join(loads))
+for block_m, block_n, block_k, stages, split in ((16, 64, 128, 6, False), (16, 64, 128, 6, True),
+                                                 (64, 64, 64, 4, False),
+                                                 (128, 128, 64, 4, False)):
+    kinds = []
+    for odd in (False, True):
+        compiled = compile_for(mm_kernel, pointers,
+                               {**shared, **portable, "stride_ak": 1, "stride_bn": 1,
+                                "N_ODD": odd, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                                "BLOCK_K": block_k, "SPLIT": split},
+                               ["a_ptr", "b_ptr", "c_ptr", "stride_am", "K"], num_warps=4,
+                               num_stages=stages)
+        ptx = compiled.asm["ptx"]
+        # Every global load's opcode and every cp.async copy's size, with their counts.
+        kinds.append(sorted(re.findall(r"(ld\\.global[\\w.]*)|cp\\.async\\.c[ag]\\.shared"
+                                       r"\\.global \\[[^\\]]*\\], \\[[^\\]]*\\], (\\w+)", ptx)))
+    print(block_m, block_n, block_k, stages, split, "same" if kinds[0] == kinds[1] else kinds)
 import triton
 print(triton.__version__)
 """
@@ -1062,6 +1080,10 @@ def test_odd_n_lays_b_loads_along_n_for_hopper():
     from test_mm import _run_without_interpreter
 
     *lines, version = _run_without_interpreter(_ODD_N_COMPILE_SCRIPT).splitlines()
+    lines, widths = lines[:2], lines[2:]
+    # Other tiles, pipeline depths and splits: the hint changes no load's width (nothing
+    # becomes a vector load or a cp.async copy that could span the wrap).
+    assert widths and all(line.endswith("same") for line in widths), widths
     without = "01" if version.startswith("3.6.") else lines[0].split()[1]
     assert [line.split()[:2] for line in lines] == [["False", without], ["True", "10"]], lines
     # A's 16-byte loads and B's (and nothing else's) scalar 16-bit ones, the same both ways.
