@@ -408,7 +408,7 @@ constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATI
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
                  BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1,
                  A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2,
-                 STREAM_K=False, WARP_SPECIALIZE=False, PDL=False)
+                 STREAM_K=False, WARP_SPECIALIZE=False, PDL=False, C_ALIGN=1)
 for host in (True, False):
     if not host:
         pointers.update(a_ptr="*bf16", b_ptr="*bf16")

@@ -151,7 +151,8 @@ pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "bias_ptr": "*
 constants = dict(stride_ak=1, stride_bk=1, stride_cn=1, HAS_BIAS=False, ACTIVATION="none",
                  INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False, SPLIT=False,
                  SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, BLOCK_M=64,
-                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1, PDL=False)
+                 BLOCK_N=64, BLOCK_K=64, GROUP_M=8, SPLIT_FIXUP=False, SPLIT_K=1, PDL=False,
+                 C_ALIGN=1)
 portable = dict(A_M_ALIGN=1, A_K_ALIGN=1, B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1,
                 N_ODD=False)
 """
@@ -192,7 +193,8 @@ for pdl in (True, False):
 reduce = compile_for(splitk_reduce_kernel,
                      {"ws_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16"},
                      dict(HAS_BIAS=False, ACTIVATION="none", INDEX_64=False, SPLIT_K=3,
-                          TILE_M=64, TILE_N=64, GROUP_M=8, BLOCK_M=32, BLOCK_N=64, PDL=True),
+                          TILE_M=64, TILE_N=64, GROUP_M=8, BLOCK_M=32, BLOCK_N=64, PDL=True,
+                          C_ALIGN=1),
                      ["ws_ptr", "c_ptr"], num_warps=4, launch_pdl=True)
 ptx = reduce.asm["ptx"]
 print(reduce.metadata.launch_pdl, "griddepcontrol.wait" in ptx,
@@ -1069,6 +1071,55 @@ for block_m, block_n, block_k, stages, split in ((16, 64, 128, 6, False), (16, 6
 import triton
 print(triton.__version__)
 """
+
+
+_STORE_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+# C's pitch and N not specialised (e.g. N = 1000): the widths of the pointer stores of the
+# portable kernel, the split-K reduction and the TMA kernel's pointer epilogue, by C_ALIGN.
+from torch_triton_gemm.kernels.matmul import splitk_reduce_kernel
+
+tma = dict(A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=True, C_TMA=False, EPILOGUE_SUBTILE=1,
+           STREAM_K=False, HOST_DESCRIPTORS=False, c_host_desc=None, WARP_SPECIALIZE=False)
+for align in (1, 2, 4, 8):
+    builds = [compile_for(mm_kernel, pointers, {**constants, **portable, "C_ALIGN": align},
+                          ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "K"],
+                          num_warps=4, num_stages=3),
+              compile_for(splitk_reduce_kernel,
+                          {"ws_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16"},
+                          dict(HAS_BIAS=True, ACTIVATION="none", INDEX_64=False, SPLIT_K=3,
+                               TILE_M=64, TILE_N=64, GROUP_M=8, BLOCK_M=32, BLOCK_N=64,
+                               PDL=False, C_ALIGN=align, stride_cn=1), ["ws_ptr", "c_ptr"],
+                          num_warps=4),
+              compile_for(mm_tma_kernel, pointers, {**constants, **tma, "C_ALIGN": align},
+                          ["a_ptr", "b_ptr", "c_ptr"], num_warps=4, num_stages=3)]
+    print(align, *(",".join(sorted(set(re.findall(r"st\\.global[\\w.]*", b.asm["ptx"]))))
+                   for b in builds))
+"""
+
+
+def test_store_alignment_gives_c_vector_stores_for_hopper():
+    """The sm_90 builds' pointer stores of C, its pitch and N known to divide by 2, 4 or 8
+    (C_ALIGN) but not by 16: 4-, 8- and 16-byte stores instead of one 2-byte store per element
+    (the portable kernel, the split-K reduction, the TMA kernel where C is not described)."""
+    from test_mm import _run_without_interpreter
+
+    lines = _run_without_interpreter(_STORE_COMPILE_SCRIPT).splitlines()
+    widths = {"1": "st.global.b16", "2": "st.global.b32", "4": "st.global.v2.b32",
+              "8": "st.global.v4.b32"}
+    assert [line.split()[0] for line in lines] == ["1", "2", "4", "8"], lines
+    for line in lines:
+        align, *stores = line.split()
+        assert stores == [widths[align]] * 3, lines
+
+
+def test_store_alignment():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert [tuning.store_alignment(n, n, 2) for n in (1000, 36, 50, 37, 1024, 0)] == [
+        8, 4, 2, 1, 8, 1]
+    assert tuning.store_alignment(1024, 1000, 2) == 8 and tuning.store_alignment(1000, 36, 2) == 4
+    assert tuning.store_alignment(1000, 1000, 4) == 4  # fp32 C: one 16-byte vector
+    assert tuning.store_alignment(ShapeEnv().create_unbacked_symint(), 8, 2) == 1
 
 
 def test_odd_n_lays_b_loads_along_n_for_hopper():

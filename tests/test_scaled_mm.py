@@ -644,7 +644,7 @@ def compile_for(kernel, arch, fmt, scale_fmt, tile, **constants):
 gemm = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=False, A_M_CONTIGUOUS=False,
             B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, WARP_SPECIALIZE=False,
             STREAM_K=False, SPLIT_FIXUP=False, SPLIT_K=1, HOST_DESCRIPTORS=False,
-            c_host_desc=None, PDL=False)
+            c_host_desc=None, PDL=False, C_ALIGN=1)
 compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
             SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, **gemm)
 compile_for(mm_tma_kernel, 90, "e5m2", "fp32", (128, 128, 128, 8, 3), SCALING="outer",
@@ -655,7 +655,7 @@ compile_for(mm_tma_kernel, 90, "e4m3", "fp32", (128, 128, 128, 8, 3), SCALING="b
 # tiles in the step (kernels/tiles.py's k_loop).
 portable = dict(ACTIVATION="none", INPUT_PRECISION=None, SPLIT=True, SA_ROWS=1, SB_COLS=128,
                 FAST_ACCUM=False, SPLIT_FIXUP=False, SPLIT_K=1, A_M_ALIGN=1, A_K_ALIGN=1,
-                B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1, N_ODD=False)
+                B_K_ALIGN=1, B_N_ALIGN=1, M_ALIGN=1, N_ALIGN=1, N_ODD=False, C_ALIGN=1)
 for rows in (64, 16):
     compile_for(mm_kernel, 90, "e4m3", "fp32", (rows, 64, 128, 4, 4), SCALING="block",
                 **portable)

@@ -18,6 +18,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -650,6 +651,16 @@ def size_alignment(size: Any, specialised: bool) -> int:
     return _power_of_two_dividing(size, 16)
 
 
+def store_alignment(stride_cm: Any, n: Any, element_size: int) -> int:
+    """The power of two (up to one 16-byte vector) dividing both C's row stride and N, for the
+    kernels' pointer stores (``kernels.tiles.store_epilogue``'s C_ALIGN): with it a row of C
+    goes out in vectors of that many elements. 1 for symbolic values (traced launches must not
+    guard on them) and where either is 0."""
+    if type(stride_cm) is not int or type(n) is not int or stride_cm <= 0 or n <= 0:
+        return 1
+    return _power_of_two_dividing(math.gcd(stride_cm, n), max(1, 16 // element_size))
+
+
 def odd_contiguous(size: Any) -> bool:
     """Whether the portable kernel is told that an operand contiguous along its wrapped columns
     of ``size`` (B along N) is: for odd sizes above 1, where ``size_alignment`` knows no run
@@ -668,7 +679,8 @@ def launch_meta(plan: MMPlan, split: bool,
                 scaling: tuple[str, int, int, bool] = ("none", 1, 1, False),
                 stream_k: bool = False, fixup_splits: int = 0,
                 aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1, False),
-                num_stages: int | None = None, pdl: bool = False) -> Mapping[str, Any]:
+                num_stages: int | None = None, pdl: bool = False,
+                c_align: int = 1) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
@@ -678,7 +690,7 @@ def launch_meta(plan: MMPlan, split: bool,
     (the portable kernel's, when K is known): its pipeline depth, ``pipeline_stages`` of the
     tile's for the K steps each program takes (the depth, not the steps, keys this cache, so
     that it stays as small as the plans); ``pdl``: launched with programmatic dependent launch
-    (``dependent_launch``); read-only."""
+    (``dependent_launch``); ``c_align``: the ``store_alignment`` of C; read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -698,6 +710,7 @@ def launch_meta(plan: MMPlan, split: bool,
             meta["num_stages"] = num_stages
     # (Passed either way: torch.compile's Triton kernel wrapper takes no defaults.)
     meta.update(PDL_META if pdl else NO_PDL_META)
+    meta["C_ALIGN"] = c_align
     fixup = split and fixup_splits > 1
     meta["SPLIT_FIXUP"] = fixup
     meta["SPLIT_K"] = fixup_splits if fixup else 1

@@ -97,7 +97,7 @@ def load_partial(ws_ptr, slot, offs_m, offs_n, M, N, BLOCK_M: tl.constexpr,
 def finish_split_tile(ws_ptr, counts_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m, offs_n,
                       M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS: tl.constexpr,
                       ACTIVATION: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr):
+                      BLOCK_N: tl.constexpr, INDEX_64: tl.constexpr, C_ALIGN: tl.constexpr):
     """After K split ``unit`` stored its partial (store_partial): count it in its tile's
     counter (a release, after every thread's stores); the split that brings the count to
     SPLIT_K adds the tile's partials in split order, zeroes the counter (the next launch finds
@@ -114,7 +114,7 @@ def finish_split_tile(ws_ptr, counts_ptr, c_ptr, bias_ptr, unit, first_tile, off
                                 BLOCK_M, BLOCK_N, INDEX_64)
         tl.atomic_xchg(counts_ptr + index, 0, sem="relaxed", scope="gpu")
         store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-                       stride_bias, HAS_BIAS, ACTIVATION)
+                       stride_bias, HAS_BIAS, ACTIVATION, C_ALIGN)
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def mm_kernel(
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
     A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
     M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr, N_ODD: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    C_ALIGN: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -188,8 +188,8 @@ def mm_kernel(
     # contiguous, lays its loads out down K (each thread of a warp on another row: on an H100
     # 2536x965x64 with B row-major ran 2.5x cuBLAS's time); claiming runs of 2 (wrong only at
     # the wrap; with no divisibility claimed the loads stay scalar, so nothing is read as a
-    # vector across it) lays them along N. PDL: launched with programmatic dependent launch (see
-    # dependent_launch_wait).
+    # vector across it) lays them along N. C_ALIGN: see store_epilogue. PDL: launched with
+    # programmatic dependent launch (see dependent_launch_wait).
     unit = tl.program_id(axis=0)
     tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
                                      SPLIT)
@@ -220,11 +220,11 @@ def mm_kernel(
         if SPLIT_FIXUP:
             finish_split_tile(ws_ptr, locks_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m,
                               offs_n, M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS,
-                              ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64)
+                              ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64, C_ALIGN)
     else:
         store_epilogue(
             acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
-            HAS_BIAS, ACTIVATION,
+            HAS_BIAS, ACTIVATION, C_ALIGN,
         )
 
 
@@ -275,7 +275,7 @@ def tma_k_steps(acc, a_desc, b_desc, off_m, off_n, k, steps, sa_ptr, sb_ptr, row
 def store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
             stride_cm, stride_cn, stride_bias, HAS_BIAS: tl.constexpr,
             ACTIVATION: tl.constexpr, C_TMA: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_ALIGN: tl.constexpr):
     """The epilogue of a finished tile: bias and activation in fp32, cast, store by TMA in
     EPILOGUE_SUBTILE column slices (or with masked pointers when C cannot be described)."""
     if C_TMA:
@@ -284,7 +284,7 @@ def store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                    EPILOGUE_SUBTILE)
     else:
         store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn,
-                       stride_bias, HAS_BIAS, ACTIVATION)
+                       stride_bias, HAS_BIAS, ACTIVATION, C_ALIGN)
 
 
 # TMA reads the operands whatever their sizes and (16-byte multiple) pitches: none of them is
@@ -305,7 +305,8 @@ def mm_tma_kernel(
     EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STREAM_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = False, HOST_DESCRIPTORS: tl.constexpr = False, c_host_desc=None,
+    C_ALIGN: tl.constexpr = 1, PDL: tl.constexpr = False,
+    HOST_DESCRIPTORS: tl.constexpr = False, c_host_desc=None,
 ):
     # Persistent: one program per SM, each looping over the ``units`` work units (see
     # work_unit) in L2-grouped order, stepping by the number of programs, so no wave of
@@ -383,7 +384,7 @@ def mm_tma_kernel(
                                    SCALING)
                 store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                         stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
-                        EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
+                        EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N, C_ALIGN)
             end = begin
     k_tiles = tl.cdiv(k_per_split, BLOCK_K)
     # Not flattened with SPLIT_FIXUP: Triton 3.6's nested-loop fusion fails on the finishing
@@ -412,11 +413,11 @@ def mm_tma_kernel(
             if SPLIT_FIXUP:
                 finish_split_tile(ws_ptr, locks_ptr, c_ptr, bias_ptr, unit, first_tile, offs_m,
                                   offs_n, M, N, stride_cm, stride_cn, stride_bias, HAS_BIAS,
-                                  ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64)
+                                  ACTIVATION, SPLIT_K, BLOCK_M, BLOCK_N, INDEX_64, C_ALIGN)
         else:
             store_c(acc, c_desc, c_ptr, bias_ptr, off_m, off_n, offs_m, offs_n, M, N,
                     stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, C_TMA,
-                    EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N)
+                    EPILOGUE_SUBTILE, BLOCK_M, BLOCK_N, C_ALIGN)
 
 
 @triton.jit(do_not_specialize=["first_tile"])
@@ -424,7 +425,8 @@ def splitk_reduce_kernel(
     ws_ptr, c_ptr, bias_ptr, M, N, stride_cm, stride_cn, stride_bias, first_tile,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, INDEX_64: tl.constexpr,
     SPLIT_K: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_ALIGN: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     # One program sums the SPLIT_K fp32 partials of one [BLOCK_M, BLOCK_N] block of one split
     # [TILE_M, TILE_N] tile of C (the GEMM's tiles, in its order) in split order (deterministic:
@@ -453,4 +455,4 @@ def splitk_reduce_kernel(
         acc += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
     dependent_launch_trigger(PDL)
     store_epilogue(acc, c_ptr, bias_ptr, offs_m, offs_n, M, N, stride_cm, stride_cn, stride_bias,
-                   HAS_BIAS, ACTIVATION)
+                   HAS_BIAS, ACTIVATION, C_ALIGN)

@@ -247,10 +247,23 @@ def bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS: tl.constexp
 def store_epilogue(
     acc, c_ptr, bias_ptr, offs_m, offs_n, M, N,
     stride_cm, stride_cn, stride_bias,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, C_ALIGN: tl.constexpr = 1,
 ):
-    """Add bias (per output column), apply the activation in fp32, cast and store the tile."""
+    """Add bias (per output column), apply the activation in fp32, cast and store the tile.
+
+    C_ALIGN: a power of two dividing both stride_cm and N (``tuning.store_alignment``; 1:
+    nothing known beyond Triton's own specialisation). Triton vectorises a store only where it
+    knows each row starts aligned and the mask is constant over the vector; ``offs_n < N``
+    says nothing about runs unless N is known to divide by 16, so with an N of, say, 1000 every
+    element went out on its own 2-byte store. Comparing runs of C_ALIGN columns instead (the
+    same mask when C_ALIGN divides N) lets them go out C_ALIGN elements at a time."""
     acc = bias_activation(acc, bias_ptr, offs_n, N, stride_bias, HAS_BIAS, ACTIVATION)
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    rows = offs_m * stride_cm
+    if C_ALIGN > 1:
+        rows = tl.multiple_of(rows, C_ALIGN)
+        in_n = (offs_n // C_ALIGN) < (N // C_ALIGN)
+    else:
+        in_n = offs_n < N
+    c_ptrs = c_ptr + rows[:, None] + offs_n[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & in_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

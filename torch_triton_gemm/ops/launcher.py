@@ -166,6 +166,10 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                   tuning.size_alignment(M, False) if _unit(stride_am) else 1,
                   tuning.size_alignment(N, True) if _unit(stride_bn) else 1,
                   _unit(stride_bn) and tuning.odd_contiguous(N))
+    # C's rows go out in vectors where its pitch and N divide by a power of two (all kernels'
+    # pointer stores; the TMA kernel's only where C cannot be described for TMA).
+    c_align = (tuning.store_alignment(stride_cm, N, out.element_size())
+               if tuning.pitch_hints_enabled() else 1)
 
     # Programmatic dependent launch for eager single-wave launches (tuning.dependent_launch);
     # traced launches keep plain ones, as do ROCm builds (whose "cuda" devices report their own
@@ -190,7 +194,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             kernel is mm_tma_kernel) else (units,)
         pdl = tuning.dependent_launch(grid[0], num_sms(device), pdl_capability)
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0, aligns, stages, pdl)
+                                  split_k if fixup else 0, aligns, stages, pdl, c_align)
         return grid, {**meta, **flags} if flags else meta, runtime_args
 
     launches = []
@@ -212,7 +216,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
              activation, index_64),
             {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
              "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
-             "num_warps": num_warps,
+             "num_warps": num_warps, "C_ALIGN": c_align,
              **(tuning.PDL_META if tuning.dependent_launch(reduce_programs, num_sms(device),
                                                            pdl_capability)
                 else tuning.NO_PDL_META)},
