@@ -1112,6 +1112,21 @@ def test_store_alignment_gives_c_vector_stores_for_hopper():
         assert stores == [widths[align]] * 3, lines
 
 
+@pytest.mark.parametrize("plan", ["portable", "portable-split3", "portable-split3-fixup", "tma",
+                                  "tma-split3-fixup"])
+def test_c_stored_in_vectors_matches_float64(device, plan, monkeypatch):
+    """Outputs whose N (and pitch) divide by 8, 4 or 2 but not 16, or are odd, their last tile
+    cut inside a tile's columns: every element of the poisoned output right (C_ALIGN's mask,
+    compared in runs of columns, is the plain one)."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1")
+    for m, n, k in ((40, 40, 72), (33, 36, 40), (19, 50, 64), (8, 18, 96), (21, 37, 24)):
+        a = randn((m, k), torch.float16, device)
+        b = randn((n, k), torch.float16, device).t()
+        bias = randn((n,), torch.float16, device)
+        out = _run(PLANS[plan], a, b, bias, "gelu")
+        assert rel_error(out, reference(a, b, bias, "gelu")) <= 1e-2, (plan, m, n, k)
+
+
 def test_store_alignment():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
