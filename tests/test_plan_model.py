@@ -213,3 +213,39 @@ def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():
     for r in rows:
         predicted = plan_model.predict_us(refit, r.plan, r.m, r.n, r.k, 2, 2, True, True)
         assert abs(math.log(predicted / r.us)) < 0.05, (r.plan, r.m, r.n, r.k)
+
+
+def test_rows_timed_before_a_launch_change_teach_all_but_the_launches():
+    """A refit on many shapes timed before launches got cheaper (launch constants 1.8x today's)
+    and a few timed today: today's launches are what the refit predicts, everywhere, while
+    the steps and tiles come from all rows. Without ``before`` the same rows mislead it."""
+    pytest.importorskip("scipy")
+    base = plan_model.H100_COSTS
+    truth = {key: plan_model.TileCost(cost.launch_us * 0.6, cost.step_us * 0.7,
+                                      cost.tile_us * 1.2)
+             for key, cost in base.tiles.items() if key[0] == "portable-narrow"}
+    today = dataclasses.replace(base, tiles={**base.tiles, **truth})
+    then = dataclasses.replace(base, tiles={
+        **base.tiles, **{key: dataclasses.replace(cost, launch_us=cost.launch_us * 1.8)
+                         for key, cost in truth.items()}})
+    tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
+             for (_, bm, bn, warps, stages) in truth if bm <= 64 and bn <= 128]
+    shapes = ((64, 200, 488), (1000, 1000, 1000), (8, 3000, 2296), (4000, 64, 184),
+              (300, 300, 6000), (2048, 1000, 72))
+
+    def rows(costs: plan_model.Costs, sizes, before: bool) -> list[fit.Timed]:
+        return [dataclasses.replace(
+                    _timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k, True, True,
+                           costs), before=before)
+                for tile in tiles for split in (1, 4) for m, n, k in sizes]
+
+    old, new = rows(then, shapes, True), rows(today, shapes[:2], False)
+    expected = rows(today, shapes, False)
+
+    def worst(costs: plan_model.Costs) -> float:
+        return max(abs(math.log(plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, 2, 2, True,
+                                                      True) / r.us)) for r in expected)
+
+    assert worst(fit.fit([*old, *new], 132, base)) < 0.05
+    unmarked = [dataclasses.replace(r, before=False) for r in old]
+    assert worst(fit.fit([*unmarked, *new], 132, base)) > 0.1

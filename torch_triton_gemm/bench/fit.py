@@ -49,16 +49,20 @@ class Timed:
     # without the column: not).
     pitch_hints: bool = False
     size_hints: bool = False
+    # Timed before a change to the kernels' launches (``--fit-before``): the fit gives such
+    # rows launch constants of their own, a factor per cost kernel off today's.
+    before: bool = False
 
 
-def read(paths: Sequence[str]) -> list[Timed]:
-    """The timed (error-free) plans of plan-sweep CSVs. Raises KeyError (a missing column) or
-    ValueError (a value that is no number) for a CSV that is not a plan sweep, with its path."""
+def read(paths: Sequence[str], before: bool = False) -> list[Timed]:
+    """The timed (error-free) plans of plan-sweep CSVs (``before``: timed before a change to
+    the launches, see ``Timed.before``). Raises KeyError (a missing column) or ValueError (a
+    value that is no number) for a CSV that is not a plan sweep, with its path."""
     rows = []
     for path in paths:
         with open(path, newline="") as file:
             try:
-                rows += _timed_rows(path, csv.DictReader(file))
+                rows += _timed_rows(path, csv.DictReader(file), before)
             except KeyError as error:
                 raise KeyError(f"{path}: no column {error}") from None
             except ValueError as error:
@@ -66,7 +70,7 @@ def read(paths: Sequence[str]) -> list[Timed]:
     return rows
 
 
-def _timed_rows(path: str, reader: Iterable[dict[str, str]]) -> list[Timed]:
+def _timed_rows(path: str, reader: Iterable[dict[str, str]], before: bool) -> list[Timed]:
     """The timed rows of one plan-sweep CSV's ``reader``."""
     rows = []
     for r in reader:
@@ -86,7 +90,8 @@ def _timed_rows(path: str, reader: Iterable[dict[str, str]]) -> list[Timed]:
                           r["aligned"] == "True", plan, narrow_row(r),
                           r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
                           float(r["cublas_us"]), r["heuristic"] == "True",
-                          r.get("pitch_hints") == "True", r.get("size_hints") == "True"))
+                          r.get("pitch_hints") == "True", r.get("size_hints") == "True",
+                          before))
     return rows
 
 
@@ -146,7 +151,11 @@ def fit(rows: Sequence[Timed], num_sms: int,
     """Least-squares fit of the log predicted time to the log measured time, on features of
     each timed plan computed once (``plan_model.plan_work``): the same sum as
     ``plan_model.predict_us``, in numpy. With ``fixed``, only the tiles of ``rows`` are
-    fitted: the global constants are ``fixed``'s, and so are its other tiles."""
+    fitted: the global constants are ``fixed``'s, and so are its other tiles. Rows timed
+    ``before`` a change to the launches share every constant with today's rows except their
+    launch constants, which are today's times a factor per cost kernel (fitted, not returned):
+    older sweeps still teach the model how K steps and tiles cost, and today's rows alone
+    what a launch costs, where both are given."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -170,6 +179,14 @@ def fit(rows: Sequence[Timed], num_sms: int,
     fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
     n_globals = len(GLOBALS)
+    # One launch factor per cost kernel for rows timed before, where today's rows are there
+    # too (else the launch constants are simply those rows').
+    before = np.array([r.before for r in rows], dtype=float)
+    if before.all():
+        before[:] = 0.0
+    eras = sorted({key[0] for key, b in zip(map(_key, rows), before) if b})
+    era = np.array([eras.index(_key(r)[0]) if b else 0 for r, b in zip(rows, before)])
+    n_tiles = len(keys) * len(PER_TILE)
 
     held = None if fixed is None else np.array(_globals_of(fixed))
 
@@ -178,8 +195,11 @@ def fit(rows: Sequence[Timed], num_sms: int,
             g, vector = np.exp(vector[:n_globals]), vector[n_globals:]
         else:
             g = held
-        per_tile = np.exp(vector).reshape(len(keys), len(PER_TILE))
+        factors = np.exp(vector[n_tiles:])
+        per_tile = np.exp(vector[:n_tiles]).reshape(len(keys), len(PER_TILE))
         launch, step, per = per_tile[tile, 0], per_tile[tile, 1], per_tile[tile, 2]
+        if eras:
+            launch = launch * np.where(before > 0, factors[era], 1.0)
         compute = steps * step + tiles * per + exchanges * g[2]
         bandwidth = np.minimum(g[3], busy * g[4])
         time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
@@ -188,13 +208,18 @@ def fit(rows: Sequence[Timed], num_sms: int,
 
     start = [] if fixed is not None else [
         math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
-    start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys)
+    start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys) + [0.0] * len(eras)
     result = least_squares(lambda v: np.log(predict(v)) - measured, start, loss="soft_l1",
                            f_scale=0.1, max_nfev=2000)
+    fitted_vector = list(result.x[:len(result.x) - len(eras)])
+    if eras:
+        print("launch factors of the rows timed before: " + ", ".join(
+            f"{name} {math.exp(v):.2f}" for name, v in zip(eras, result.x[-len(eras):])),
+            file=sys.stderr)
     if fixed is None:
-        return costs_from(result.x, keys, num_sms, bool(fixup.any()))
-    fitted = costs_from([math.log(v) for v in _globals_of(fixed)] + list(result.x), keys,
-                        num_sms)
+        return costs_from(fitted_vector, keys, num_sms, bool(fixup.any()))
+    fitted = costs_from([math.log(v) for v in _globals_of(fixed)] + fitted_vector,
+                        keys, num_sms)
     return plan_model.Costs(fixed.launch_us, fixed.exchange_us,
                             {**fixed.tiles, **fitted.tiles}, fixed.machine)
 
@@ -265,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.fit",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", nargs="*", default=[], help="plan-sweep CSVs to fit on")
+    parser.add_argument("--fit-before", nargs="*", default=[], metavar="CSV",
+                        help="plan-sweep CSVs timed before a change to the launches (e.g. "
+                             "programmatic dependent launch) to fit on too: they share every "
+                             "constant with --fit's but the launches, whose constants --fit's "
+                             "rows set")
     parser.add_argument("--check", nargs="*", default=[], help="plan-sweep CSVs to judge on")
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--refit", default=None, metavar="KERNEL",
@@ -272,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "portable, portable-narrow, portable-mcol, tma) on the fit files' "
                              "rows of it; every other constant stays plan_model.H100_COSTS's")
     args = parser.parse_args(argv)
+    if args.fit_before and not args.fit:
+        parser.error("--fit-before needs --fit: today's timings set the launch constants")
     if not args.fit and not args.check:
         parser.error("give plan-sweep CSVs to --fit on and/or to --check")
     cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles})
@@ -279,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:
         fitted = {path: read([path]) for path in (*args.fit, *args.check)}
+        fitted.update({path: read([path], before=True) for path in args.fit_before})
     except OSError as error:
         parser.error(str(error))
     except (KeyError, ValueError) as error:
@@ -289,14 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{path}: no timed plans")
     costs = plan_model.H100_COSTS
     if args.fit:
-        rows = current_kernels([row for path in args.fit for row in fitted[path]])
+        rows = current_kernels([row for path in (*args.fit, *args.fit_before)
+                                for row in fitted[path]])
         if args.refit is not None:
             costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
         else:
             costs = fit(rows, args.num_sms)
         print(costs_source(costs))
-        print("fit set:")
-        check(costs, rows)
+        print("fit set (--fit's rows):")
+        check(costs, [r for r in rows if not r.before])
     for path in args.check:
         print(f"check {path}:")
         check(costs, fitted[path])
