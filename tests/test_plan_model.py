@@ -165,6 +165,28 @@ def _timed(plan: tuning.MMPlan, m: int, n: int, k: int, narrow: bool, hinted: bo
                      False, hinted, size_hinted)
 
 
+_REFIT_SHAPES = ((64, 200, 488), (1000, 1000, 1000), (8, 3000, 2296), (4000, 64, 184),
+                 (300, 300, 6000), (2048, 1000, 72))
+
+
+def _scaled_narrow_tiles(costs: plan_model.Costs, launch: float, step: float,
+                         tile: float) -> dict[tuple[str, int, int, int, int], plan_model.TileCost]:
+    """The narrow portable tiles of ``costs`` with their constants scaled by these factors."""
+    return {key: plan_model.TileCost(cost.launch_us * launch, cost.step_us * step,
+                                      cost.tile_us * tile)
+            for key, cost in costs.tiles.items() if key[0] == "portable-narrow"}
+
+
+def _narrow_rows(costs: plan_model.Costs, shapes, before: bool = False) -> list[fit.Timed]:
+    """Timings ``costs`` predict for the narrow portable tiles (split 1 and 4) on ``shapes``."""
+    tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
+             for (kernel, bm, bn, warps, stages) in costs.tiles
+             if kernel == "portable-narrow" and bm <= 64 and bn <= 128]
+    return [dataclasses.replace(_timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k,
+                                       True, True, costs), before=before)
+            for tile in tiles for split in (1, 4) for m, n, k in shapes]
+
+
 def test_hinted_timings_replace_the_ones_the_hints_made_stale():
     """The portable kernel's narrow-pitch timings made without pitch hints are left out of a
     fit once pitch-hinted ones are there; its narrow and M-contiguous ones made without size
@@ -193,17 +215,9 @@ def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():
     they were."""
     pytest.importorskip("scipy")
     base = plan_model.H100_COSTS
-    truth = {key: plan_model.TileCost(cost.launch_us * 1.3, cost.step_us * 0.5,
-                                      cost.tile_us * 0.8)
-             for key, cost in base.tiles.items() if key[0] == "portable-narrow"}
+    truth = _scaled_narrow_tiles(base, 1.3, 0.5, 0.8)
     true_costs = dataclasses.replace(base, tiles={**base.tiles, **truth})
-    tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
-             for (_, bm, bn, warps, stages) in truth if bm <= 64 and bn <= 128]
-    rows = [_timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k, True, True,
-                   true_costs)
-            for tile in tiles for split in (1, 4)
-            for m, n, k in ((64, 200, 488), (1000, 1000, 1000), (8, 3000, 2296),
-                            (4000, 64, 184), (300, 300, 6000), (2048, 1000, 72))]
+    rows = _narrow_rows(true_costs, _REFIT_SHAPES)
     refit = fit.fit(rows, 132, base)
     assert refit.launch_us == base.launch_us and refit.machine == base.machine
     assert refit.exchange_us == base.exchange_us
@@ -221,26 +235,14 @@ def test_rows_timed_before_a_launch_change_teach_all_but_the_launches():
     the steps and tiles come from all rows. Without ``before`` the same rows mislead it."""
     pytest.importorskip("scipy")
     base = plan_model.H100_COSTS
-    truth = {key: plan_model.TileCost(cost.launch_us * 0.6, cost.step_us * 0.7,
-                                      cost.tile_us * 1.2)
-             for key, cost in base.tiles.items() if key[0] == "portable-narrow"}
+    truth = _scaled_narrow_tiles(base, 0.6, 0.7, 1.2)
     today = dataclasses.replace(base, tiles={**base.tiles, **truth})
     then = dataclasses.replace(base, tiles={
         **base.tiles, **{key: dataclasses.replace(cost, launch_us=cost.launch_us * 1.8)
                          for key, cost in truth.items()}})
-    tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
-             for (_, bm, bn, warps, stages) in truth if bm <= 64 and bn <= 128]
-    shapes = ((64, 200, 488), (1000, 1000, 1000), (8, 3000, 2296), (4000, 64, 184),
-              (300, 300, 6000), (2048, 1000, 72))
-
-    def rows(costs: plan_model.Costs, sizes, before: bool) -> list[fit.Timed]:
-        return [dataclasses.replace(
-                    _timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k, True, True,
-                           costs), before=before)
-                for tile in tiles for split in (1, 4) for m, n, k in sizes]
-
-    old, new = rows(then, shapes, True), rows(today, shapes[:2], False)
-    expected = rows(today, shapes, False)
+    old = _narrow_rows(then, _REFIT_SHAPES, before=True)
+    new = _narrow_rows(today, _REFIT_SHAPES[:2])
+    expected = _narrow_rows(today, _REFIT_SHAPES)
 
     def worst(costs: plan_model.Costs) -> float:
         return max(abs(math.log(plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, 2, 2, True,
