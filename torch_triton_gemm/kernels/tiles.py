@@ -186,12 +186,24 @@ def k_loop(
         a_ptrs += a_step
         b_ptrs += b_step
     k_left = K - k_full * BLOCK_K
-    # The remainder in masked steps of TAIL_K: where Triton cannot prove a mask constant over
-    # vector-wide runs (K not a multiple of 16) the loads are scalar, and a whole BLOCK_K tile
-    # of scalar loads held in registers spills (sm_90 builds: 600 bytes of stack per thread
-    # for 64x64x128 tiles, 3.9 KB for 32x128x128; on an H100 such a launch took 149 us where
-    # 64x64x64 tiles took 6.7). The tail lies within one scale block (BLOCK_K divides 128).
-    TAIL_K: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K
+    # The remainder in masked steps of TAIL_K. Where Triton cannot prove a mask constant over
+    # vector-wide runs (K not a multiple of 16) the loads are scalar, one register an element
+    # until the dot, and a long step spills on sm_90: Triton 3.6 put 600 bytes of stack a
+    # thread on 64x64x128 tiles loading the remainder in one BLOCK_K step, 3.9 KB on
+    # 32x128x128, 1.7 KB on 64x256x64, and on an H100 such a launch took 149 us where 64x64x64
+    # tiles took 6.7. So the step is the longest of BLOCK_K, BLOCK_K / 2, ... whose loads plus
+    # half the accumulator stay within 84 values a thread of 4 warps (the line between the
+    # plan-space tiles' builds that spill and those that do not), down to tl.dot's least K (32
+    # for 1-byte inputs, else 16). Small tiles keep one step: each extra step is a serial load
+    # that small GEMMs feel. The tail lies within one scale block (BLOCK_K divides 128).
+    TAIL_LIMIT: tl.constexpr = (84 * 128 - BLOCK_M * BLOCK_N // 2) // (BLOCK_M + BLOCK_N)
+    TAIL_FIT: tl.constexpr = (
+        BLOCK_K if BLOCK_K <= TAIL_LIMIT else BLOCK_K // 2 if BLOCK_K // 2 <= TAIL_LIMIT
+        else BLOCK_K // 4 if BLOCK_K // 4 <= TAIL_LIMIT
+        else BLOCK_K // 8 if BLOCK_K // 8 <= TAIL_LIMIT else BLOCK_K // 16)
+    DOT_MIN_K: tl.constexpr = 32 if a_ptr.dtype.element_ty.primitive_bitwidth == 8 else 16
+    TAIL_K: tl.constexpr = (TAIL_FIT if TAIL_FIT >= DOT_MIN_K
+                            else DOT_MIN_K if DOT_MIN_K < BLOCK_K else BLOCK_K)
     if k_left > 0:
         if not PREFETCH:
             sa, sb = step_scales(sa_ptr, sb_ptr, offs_m, offs_n, k_start + k_full * BLOCK_K,
