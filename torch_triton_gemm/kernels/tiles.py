@@ -139,27 +139,22 @@ def k_loop(
     B[k_start:k_start+K, offs_n] in fp32 (a_ptr and b_ptr point at column / row k_start).
 
     offs_m / offs_n must already point at valid rows / columns (callers wrap them modulo M / N),
-    so only K needs masking: the full BLOCK_K steps run unmasked and software-pipelined, and one
-    masked step handles the remainder when K is not a multiple of BLOCK_K. Each step goes
-    through ``accumulate`` (scaled recipes included).
+    so only K needs masking: the full BLOCK_K steps run unmasked and software-pipelined, and
+    masked steps of TAIL_K handle the remainder when K is not a multiple of BLOCK_K. Each step
+    goes through ``accumulate`` (scaled recipes included).
 
     The *_ALIGN constants are elements by which the strides are known multiples beyond what
     Triton specialises on itself (``tuning.pitch_alignment``; 1: nothing more): a pitch of 8
     bf16 elements is not a multiple of 16, so without the hint every load is scalar and unpipelined.
     """
-    offs_k = widen(tl.arange(0, BLOCK_K), INDEX_64)
-    a_rows, a_cols = offs_m * stride_am, offs_k * stride_ak
-    b_rows, b_cols = offs_k * stride_bk, offs_n * stride_bn
+    a_rows = offs_m * stride_am
+    b_cols = offs_n * stride_bn
     if A_M_ALIGN > 1:
         a_rows = tl.multiple_of(a_rows, A_M_ALIGN)
-    if A_K_ALIGN > 1:
-        a_cols = tl.multiple_of(a_cols, A_K_ALIGN)
-    if B_K_ALIGN > 1:
-        b_rows = tl.multiple_of(b_rows, B_K_ALIGN)
     if B_N_ALIGN > 1:
         b_cols = tl.multiple_of(b_cols, B_N_ALIGN)
-    a_ptrs = a_ptr + (a_rows[:, None] + a_cols[None, :])
-    b_ptrs = b_ptr + (b_rows[:, None] + b_cols[None, :])
+    a_ptrs, b_ptrs = k_step_pointers(a_ptr, b_ptr, a_rows, b_cols, stride_ak, stride_bk, BLOCK_K,
+                                     INDEX_64, A_K_ALIGN, B_K_ALIGN)
     a_step = BLOCK_K * widen(stride_ak, INDEX_64)
     b_step = BLOCK_K * widen(stride_bk, INDEX_64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -191,16 +186,57 @@ def k_loop(
         a_ptrs += a_step
         b_ptrs += b_step
     k_left = K - k_full * BLOCK_K
+    # The remainder in masked steps of TAIL_K. Where Triton cannot prove a mask constant over
+    # vector-wide runs (K not a multiple of 16) the loads are scalar, one register an element
+    # until the dot, and a long step spills on sm_90: Triton 3.6 put 600 bytes of stack a
+    # thread on 64x64x128 tiles loading the remainder in one BLOCK_K step, 3.9 KB on
+    # 32x128x128, 1.7 KB on 64x256x64, and on an H100 such a launch took 149 us where 64x64x64
+    # tiles took 6.7. So the step is the longest of BLOCK_K, BLOCK_K / 2, ... whose loads plus
+    # half the accumulator stay within 84 values a thread of 4 warps (the line between the
+    # plan-space tiles' builds that spill and those that do not), down to tl.dot's least K (32
+    # for 1-byte inputs, else 16). Small tiles keep one step: each extra step is a serial load
+    # that small GEMMs feel. The tail lies within one scale block (BLOCK_K divides 128).
+    TAIL_LIMIT: tl.constexpr = (84 * 128 - BLOCK_M * BLOCK_N // 2) // (BLOCK_M + BLOCK_N)
+    TAIL_FIT: tl.constexpr = (
+        BLOCK_K if BLOCK_K <= TAIL_LIMIT else BLOCK_K // 2 if BLOCK_K // 2 <= TAIL_LIMIT
+        else BLOCK_K // 4 if BLOCK_K // 4 <= TAIL_LIMIT
+        else BLOCK_K // 8 if BLOCK_K // 8 <= TAIL_LIMIT else BLOCK_K // 16)
+    DOT_MIN_K: tl.constexpr = 32 if a_ptr.dtype.element_ty.primitive_bitwidth == 8 else 16
+    TAIL_K: tl.constexpr = (TAIL_FIT if TAIL_FIT >= DOT_MIN_K
+                            else DOT_MIN_K if DOT_MIN_K < BLOCK_K else BLOCK_K)
     if k_left > 0:
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if not PREFETCH:
             sa, sb = step_scales(sa_ptr, sb_ptr, offs_m, offs_n, k_start + k_full * BLOCK_K,
                                  k_end, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                  SCALING, SA_ROWS, SB_COLS)
-        acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
-                         FAST_ACCUM)
+        a_tail, b_tail = k_step_pointers(a_ptr, b_ptr, a_rows, b_cols, stride_ak, stride_bk,
+                                         TAIL_K, INDEX_64, A_K_ALIGN, B_K_ALIGN)
+        a_tail += k_full * a_step
+        b_tail += k_full * b_step
+        offs_t = tl.arange(0, TAIL_K)
+        for k in range(0, k_left, TAIL_K):
+            a = tl.load(a_tail, mask=offs_t[None, :] < k_left - k, other=0.0)
+            b = tl.load(b_tail, mask=offs_t[:, None] < k_left - k, other=0.0)
+            acc = accumulate(acc, a, b, sa, sb, INPUT_PRECISION, UPCAST_TO_FP32, SCALING,
+                             FAST_ACCUM)
+            a_tail += TAIL_K * widen(stride_ak, INDEX_64)
+            b_tail += TAIL_K * widen(stride_bk, INDEX_64)
     return acc
+
+
+@triton.jit
+def k_step_pointers(a_ptr, b_ptr, a_rows, b_cols, stride_ak, stride_bk, STEP_K: tl.constexpr,
+                    INDEX_64: tl.constexpr, A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr):
+    """Pointers to the first STEP_K columns of A's rows (offsets ``a_rows``) and the first
+    STEP_K rows of B's columns (offsets ``b_cols``), with the K strides' alignment hints."""
+    offs_k = widen(tl.arange(0, STEP_K), INDEX_64)
+    a_cols, b_rows = offs_k * stride_ak, offs_k * stride_bk
+    if A_K_ALIGN > 1:
+        a_cols = tl.multiple_of(a_cols, A_K_ALIGN)
+    if B_K_ALIGN > 1:
+        b_rows = tl.multiple_of(b_rows, B_K_ALIGN)
+    return (a_ptr + (a_rows[:, None] + a_cols[None, :]),
+            b_ptr + (b_rows[:, None] + b_cols[None, :]))
 
 
 @triton.jit
