@@ -109,6 +109,26 @@ def test_remainders_of_k_in_short_steps_match_float64(device, split, dtype, tile
             assert rel_error(out, ref) <= tolerance(out.dtype, dtype), f"{layout} {m}x{n}x{k}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16], ids=str)
+def test_plans_of_one_block_k_cut_k_alike_for_fp8(device, dtype):
+    """fp8 tensor cores round within each dot, so a product's bits depend on how K is cut into
+    steps, and eager and compiled calls pick different tiles: fp8 plans that share BLOCK_K
+    cut the remainder of K alike and agree bit for bit (2-byte inputs, whose dots round only
+    as fp32 does, cut it by tile size: they agree within rounding)."""
+    tiles = [tuning.TileConfig(block_m, block_n, 128, 1, 4, 2)
+             for block_m, block_n in ((64, 64), (16, 32), (128, 64))]
+    for m, n, k in ((37, 21, 70), (19, 40, 300)):
+        a = make_operand(m, k, dtype, device, "row", "a")
+        b = make_operand(k, n, dtype, device, "col", "b")
+        outs = [_run(tuning.MMPlan("portable", tile), a, b, out_dtype=torch.float32)
+                for tile in tiles]
+        ref = reference(a, b, None, "none")
+        for out in outs:
+            assert rel_error(out, ref) <= tolerance(torch.float32, dtype), f"{m}x{n}x{k}"
+            if dtype in FP8:
+                assert torch.equal(out, outs[0]), f"{m}x{n}x{k}"
+
+
 @pytest.mark.parametrize("plan", ["portable-split3", "tma-split3", "portable-tail-split3",
                                   "tma-tail-split3", "tma-wide-split3", "tma-stream-k",
                                   "tma-stream-k2", "tma-wide-stream-k", "portable-split3-fixup",

@@ -193,17 +193,19 @@ def k_loop(
     # 32x128x128, 1.7 KB on 64x256x64, and on an H100 such a launch took 149 us where 64x64x64
     # tiles took 6.7. So the step is the longest of BLOCK_K, BLOCK_K / 2, ... whose loads plus
     # half the accumulator stay within 84 values a thread of 4 warps (the line between the
-    # plan-space tiles' builds that spill and those that do not), down to tl.dot's least K (32
-    # for 1-byte inputs, else 16). Small tiles keep one step: each extra step is a serial load
-    # that small GEMMs feel. The tail lies within one scale block (BLOCK_K divides 128).
+    # plan-space tiles' builds that spill and those that do not), down to 16. Small tiles keep
+    # one step: each extra step is a serial load that small GEMMs feel. 1-byte inputs step 32
+    # columns on every tile (tl.dot's least K for them): fp8 tensor cores round within a dot,
+    # so the cut of K sets a product's bits, and plans that share BLOCK_K (an eager call's and
+    # a compiled one's) must agree. The tail lies within one scale block (BLOCK_K divides 128).
     TAIL_LIMIT: tl.constexpr = (84 * 128 - BLOCK_M * BLOCK_N // 2) // (BLOCK_M + BLOCK_N)
     TAIL_FIT: tl.constexpr = (
         BLOCK_K if BLOCK_K <= TAIL_LIMIT else BLOCK_K // 2 if BLOCK_K // 2 <= TAIL_LIMIT
         else BLOCK_K // 4 if BLOCK_K // 4 <= TAIL_LIMIT
         else BLOCK_K // 8 if BLOCK_K // 8 <= TAIL_LIMIT else BLOCK_K // 16)
-    DOT_MIN_K: tl.constexpr = 32 if a_ptr.dtype.element_ty.primitive_bitwidth == 8 else 16
-    TAIL_K: tl.constexpr = (TAIL_FIT if TAIL_FIT >= DOT_MIN_K
-                            else DOT_MIN_K if DOT_MIN_K < BLOCK_K else BLOCK_K)
+    TAIL_STEP: tl.constexpr = (32 if a_ptr.dtype.element_ty.primitive_bitwidth == 8
+                               else TAIL_FIT if TAIL_FIT >= 16 else 16)
+    TAIL_K: tl.constexpr = TAIL_STEP if TAIL_STEP < BLOCK_K else BLOCK_K
     if k_left > 0:
         if not PREFETCH:
             sa, sb = step_scales(sa_ptr, sb_ptr, offs_m, offs_n, k_start + k_full * BLOCK_K,
