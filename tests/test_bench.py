@@ -1261,6 +1261,18 @@ def test_plan_sweep_trailing_keeps_the_cases_below_the_ratio(tmp_path):
     assert plans.trailing_cases(str(path), 0.5) == set()
 
 
+def test_plan_sweep_wide_space_adds_plans_the_planners_rules_leave_out(monkeypatch):
+    from torch_triton_gemm import device as tgemm_device
+    from torch_triton_gemm.bench import plans
+
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 232448)
+    case = Case("mm", "9792x64x24", 9792, 64, 24, "row", "col")
+    space = plans.space_of(case, 2, True, 132, False)
+    wide = plans.space_of(case, 2, True, 132, False, wide=True)
+    assert set(space) < set(wide)
+    assert any(p.kernel == "portable" and p.tile.block_m == 128 for p in wide)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_plan_sweep_launches_plans_of_fp8_and_16_bit_products(device, recipe):
     """What the plan sweep times: a plan launched into the problem's output and into a fresh

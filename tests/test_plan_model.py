@@ -91,6 +91,21 @@ def test_plan_space_keeps_one_row_bands_and_wide_portable_tiles_where_they_serve
     assert any(p.kernel == "portable" and p.tile.block_n > 128 for p in unaligned)
 
 
+def test_the_wide_plan_space_adds_what_the_size_and_width_rules_leave_out(h100):
+    """The plan sweep's --wide-space: a superset of the planner's space that also holds the
+    tiles its rules leave out (32 columns on a 64-wide output, 128-row tiles on the portable
+    kernel where TMA can read the operands, one-row bands on tall outputs)."""
+    for m, n, k in ((9792, 64, 24), (960, 64, 760), (2048, 2048, 2048), (8, 104, 13)):
+        space = set(tuning.plan_space(m, n, k, 2, True, 132))
+        wide = list(tuning.plan_space(m, n, k, 2, True, 132, wide=True))
+        assert len(wide) == len(set(wide)) and space < set(wide), (m, n, k)
+    extra = set(tuning.plan_space(9792, 64, 24, 2, True, 132, wide=True)) - set(
+        tuning.plan_space(9792, 64, 24, 2, True, 132))
+    assert any(p.tile.block_n == 32 for p in extra)
+    assert any(p.kernel == "portable" and p.tile.block_m == 128 for p in extra)
+    assert any(p.tile.group_m == 1 for p in extra)
+
+
 def test_work_counts_waves_splits_and_stream_k_shares():
     tile = tuning.TileConfig(128, 128, 64, 8, 8, 4)
     # 1536^3: 144 tiles of 24 K steps on 132 SMs: two rounds whole, one round and a share of

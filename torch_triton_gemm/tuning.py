@@ -825,23 +825,25 @@ PLAN_SPACE_TILES: tuple[TileConfig, ...] = (
 
 
 def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: int,
-               aligned: bool = True) -> Iterator[MMPlan]:
+               aligned: bool = True, wide: bool = False) -> Iterator[MMPlan]:
     """Every plan of the planner's space for one shape: each tile of PLAN_SPACE_TILES that
     suits the size, on the portable kernel (only tiles of up to 64 rows where ``tma``) and
     (``tma``: the operands can be described, or copied into aligned buffers when not
     ``aligned``) the persistent TMA kernel, run whole, with
     stream-K (the partial wave, or it and one whole wave), split to fill the SMs (and twice
-    that for skinny products), or with the partial wave split."""
+    that for skinny products), or with the partial wave split. ``wide``: every tile that fits
+    shared memory, on both kernels, whatever the size and width rules say (the plan sweep's
+    ``--wide-space``: whether those rules leave faster plans out)."""
     smem = _device.shared_memory_per_block(0)
     seen: set[MMPlan] = set()
     for base in PLAN_SPACE_TILES:
         tile = _for_dtype(base, element_size)
-        if not _fits_problem(tile, m, n) or not _fits_width(tile, n) or (
-                shared_memory_bytes(tile, element_size) > smem):
+        if shared_memory_bytes(tile, element_size) > smem or not wide and (
+                not _fits_problem(tile, m, n) or not _fits_width(tile, n)):
             continue
         # One-row bands (GROUP_M = 1) stream all of B once per tile row: only where one tile
         # row covers M (an H100 at 32 x 12288 x 4096 with 16-row tiles: 0.53x cuBLAS).
-        if tile.group_m == 1 and m > tile.block_m:
+        if tile.group_m == 1 and m > tile.block_m and not wide:
             continue
         tiles = output_tiles(m, n, tile)
         k_steps = -(-k // tile.block_k)
@@ -856,7 +858,7 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         # (it streamed B as fast as TMA there).
         # (and not on 256-wide tiles, whose times there varied from run to run by 10-30%).
         plans = [MMPlan("portable", tile, **o) for o in options] if (
-            not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
+            wide or not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:

@@ -141,25 +141,27 @@ def _chosen_of(case: AnyCase, dtype: str) -> tuning.MMPlan:
 
 
 def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned: bool,
-             out_size: int = 2) -> list[tuning.MMPlan]:
-    """The plans timed for ``case``: the plan space, and for an fp8 product whose recipe
-    Hopper's precise fp8 kernel runs (tensorwise or rowwise without fast accumulation,
-    blockwise) on a GPU with TMA, every plan of that kernel."""
+             out_size: int = 2, wide: bool = False) -> list[tuning.MMPlan]:
+    """The plans timed for ``case``: the plan space (``wide``: without its size and width
+    rules, see ``tuning.plan_space``), and for an fp8 product whose recipe Hopper's precise
+    fp8 kernel runs (tensorwise or rowwise without fast accumulation, blockwise) on a GPU with
+    TMA, every plan of that kernel."""
     plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
-                                   aligned))
+                                   aligned, wide))
     if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
         plans += tuning.fp8_precise_plans(out_size)
     return plans
 
 
-def case_plans(case: AnyCase, dtype: str) -> tuple[bool, list[tuning.MMPlan]]:
+def case_plans(case: AnyCase, dtype: str,
+               wide: bool = False) -> tuple[bool, list[tuning.MMPlan]]:
     """Whether the case's operands can be described for TMA as they are, and its plans
     (``space_of``) and, last, the planner's choice when it is not among them."""
     p = problem(case, dtype)
     a, b = p.args[:2]
     aligned = _aligned(a, b, p.out)
     plans = space_of(case, a.element_size(), _device.supports_tma(a.device),
-                     _device.num_sms(a.device), aligned, p.out.element_size())
+                     _device.num_sms(a.device), aligned, p.out.element_size(), wide)
     chosen = p.chosen()
     if chosen not in plans:
         plans.append(chosen)
@@ -364,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "where the planner's pick trailed")
     parser.add_argument("--below", type=float, default=0.8, metavar="R",
                         help="with --trailing: the ratio to cuBLAS under which a case is kept")
+    parser.add_argument("--wide-space", action="store_true",
+                        help="time every tile of the plan space that fits shared memory, on "
+                             "both kernels, whatever its size and width rules say (with "
+                             "--trailing: whether they leave faster plans out)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
     parser.add_argument("--fixup-ab", action="store_true",
@@ -398,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # fp8 products take their dtype from their recipe: once, whatever --dtypes says.
     dtypes = args.dtypes.split(",")
     wanted = None if args.trailing is None else trailing_cases(args.trailing, args.below)
-    jobs = [(case, dtype, *case_plans(case, dtype)) for case in cases
+    jobs = [(case, dtype, *case_plans(case, dtype, args.wide_space)) for case in cases
             for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)
             if wanted is None or (case.name, dtype) in wanted]
     if args.chosen_only or args.fixup_ab or args.launch_variants:
