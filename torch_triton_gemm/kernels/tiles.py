@@ -186,18 +186,14 @@ def k_loop(
         a_ptrs += a_step
         b_ptrs += b_step
     k_left = K - k_full * BLOCK_K
-    # The remainder in masked steps of TAIL_K. Where Triton cannot prove a mask constant over
-    # vector-wide runs (K not a multiple of 16) the loads are scalar, one register an element
-    # until the dot, and a long step spills on sm_90: Triton 3.6 put 600 bytes of stack a
-    # thread on 64x64x128 tiles loading the remainder in one BLOCK_K step, 3.9 KB on
-    # 32x128x128, 1.7 KB on 64x256x64, and on an H100 such a launch took 149 us where 64x64x64
-    # tiles took 6.7. So the step is the longest of BLOCK_K, BLOCK_K / 2, ... whose loads plus
-    # half the accumulator stay within 84 values a thread of 4 warps (the line between the
-    # plan-space tiles' builds that spill and those that do not), down to 16. Small tiles keep
-    # one step: each extra step is a serial load that small GEMMs feel. 1-byte inputs step 32
-    # columns on every tile (tl.dot's least K for them): fp8 tensor cores round within a dot,
-    # so the cut of K sets a product's bits, and plans that share BLOCK_K (an eager call's and
-    # a compiled one's) must agree. The tail lies within one scale block (BLOCK_K divides 128).
+    # The remainder in masked steps of TAIL_K. With K not a multiple of 16 its loads are scalar,
+    # a register an element until the dot, and one BLOCK_K step of them spilled on sm_90 (README,
+    # "K's remainder in steps sized to the tile"). The step is the longest of BLOCK_K,
+    # BLOCK_K / 2, ... whose loads plus half the accumulator fit 84 values a thread of 4 warps
+    # (where Triton 3.6's builds of the plan-space tiles stop spilling), at least 16, so small
+    # tiles keep one step. fp8 steps 32 on every tile: its tensor cores round within a dot, so
+    # plans sharing BLOCK_K (an eager call's and a compiled one's) must cut K alike. The tail
+    # lies within one scale block (BLOCK_K divides 128).
     TAIL_LIMIT: tl.constexpr = (84 * 128 - BLOCK_M * BLOCK_N // 2) // (BLOCK_M + BLOCK_N)
     TAIL_FIT: tl.constexpr = (
         BLOCK_K if BLOCK_K <= TAIL_LIMIT else BLOCK_K // 2 if BLOCK_K // 2 <= TAIL_LIMIT
