@@ -112,12 +112,14 @@ def test_remainders_of_k_in_short_steps_match_float64(device, split, dtype, tile
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16], ids=str)
 def test_plans_of_one_block_k_cut_k_alike_for_fp8(device, dtype):
     """fp8 tensor cores round within each dot, so a product's bits depend on how K is cut into
-    steps, and eager and compiled calls pick different tiles: fp8 plans that share BLOCK_K
-    cut the remainder of K alike and agree bit for bit (2-byte inputs, whose dots round only
-    as fp32 does, cut it by tile size: they agree within rounding)."""
-    tiles = [tuning.TileConfig(block_m, block_n, 128, 1, 4, 2)
-             for block_m, block_n in ((64, 64), (16, 32), (128, 64))]
-    for m, n, k in ((37, 21, 70), (19, 40, 300)):
+    steps, and eager and compiled calls pick different tiles (the symbolic plan's is 128 x 128,
+    8 warps): fp8 plans that share BLOCK_K and the kind of MMA (Hopper's warpgroup MMA, which
+    tiles of 64 rows a warpgroup or more run; smaller tiles run the warp-level MMA, which
+    rounds otherwise) cut the remainder of K alike and agree bit for bit. 2-byte inputs, whose
+    dots round only as fp32 does, cut it by tile size: they agree within rounding."""
+    tiles = [tuning.TileConfig(block_m, block_n, 128, 1, warps, 2)
+             for block_m, block_n, warps in ((64, 64, 4), (128, 64, 4), (128, 128, 8))]
+    for m, n, k in ((37, 21, 70), (19, 40, 300), (130, 72, 200)):
         a = make_operand(m, k, dtype, device, "row", "a")
         b = make_operand(k, n, dtype, device, "col", "b")
         outs = [_run(tuning.MMPlan("portable", tile), a, b, out_dtype=torch.float32)
