@@ -119,6 +119,28 @@ def test_work_counts_waves_splits_and_stream_k_shares():
     assert split.reduce and split.steps == 64 and split.extra_bytes > 0
 
 
+def test_narrow_products_of_one_k_step_are_costed_apart(h100):
+    """A narrow-pitch product whose K fits one BLOCK_K step runs only the portable kernel's
+    masked remainder step: its tiles have constants of their own (an H100 ran such products'
+    portable plans far faster than the multi-step narrow constants said: 2496 x 2048 x 8,
+    7.5 us portable against 10.1 on the TMA plan those constants chose), and constants without
+    them cost it as the multi-step narrow tiles."""
+    assert plan_model.cost_kernel("portable", True, one_step=True) == "portable-narrow-one-step"
+    assert plan_model.cost_kernel("portable", False, one_step=True) == "portable"
+    assert plan_model.cost_kernel("tma", True, one_step=True) == "tma"
+    costs = plan_model.H100_COSTS
+    plan = tuning.MMPlan("portable", tuning.TileConfig(64, 128, 64, 8, 4, 4))
+    one_step, two_steps = (plan_model.predict_us(costs, plan, 2496, 2048, k, 2, 2, True, True)
+                           for k in (56, 72))
+    assert one_step < two_steps / 2
+    without = dataclasses.replace(costs, tiles={
+        key: c for key, c in costs.tiles.items() if key[0] != "portable-narrow-one-step"})
+    assert (plan_model.tile_cost(without, "portable-narrow-one-step", plan.tile)
+            == plan_model.tile_cost(without, "portable-narrow", plan.tile))
+    picked = plan_model.modelled_plan(2496, 2048, 8, 2, 2, True, 132, True, True)
+    assert picked.kernel == "portable"
+
+
 def test_predicted_time_grows_with_the_work(h100):
     plan = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3), epilogue_subtile=2)
     times = [plan_model.predict_us(plan_model.H100_COSTS, plan, s, s, s, 2, 2)
@@ -193,13 +215,14 @@ def _scaled_narrow_tiles(costs: plan_model.Costs, launch: float, step: float,
 
 
 def _narrow_rows(costs: plan_model.Costs, shapes, before: bool = False) -> list[fit.Timed]:
-    """Timings ``costs`` predict for the narrow portable tiles (split 1 and 4) on ``shapes``."""
+    """Timings ``costs`` predict for the narrow portable tiles (split 1 and 4) on ``shapes``
+    whose K takes that tile more than one step (one step is another cost kernel's)."""
     tiles = [tuning.TileConfig(bm, bn, 64 if stages == 5 else 128, 8, warps, stages)
              for (kernel, bm, bn, warps, stages) in costs.tiles
              if kernel == "portable-narrow" and bm <= 64 and bn <= 128]
     return [dataclasses.replace(_timed(tuning.MMPlan("portable", tile, split_k=split), m, n, k,
                                        True, True, costs), before=before)
-            for tile in tiles for split in (1, 4) for m, n, k in shapes]
+            for tile in tiles for split in (1, 4) for m, n, k in shapes if k > tile.block_k]
 
 
 def test_hinted_timings_replace_the_ones_the_hints_made_stale():

@@ -60,14 +60,25 @@ class Costs:
     machine: Machine
 
 
-def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False) -> str:
+def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
+                one_step: bool = False) -> str:
     """The kernel name costs are kept under: the portable kernel reading operands whose pitches
-    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart; so
-    is the portable kernel reading an M-contiguous A (x.t() in a weight gradient), which ran at
-    a third of the Hopper kernel's speed on an H100 (128 x 4416 x 2432: 32.6 us against 17.9)."""
+    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart,
+    and apart again where K fits in one BLOCK_K step (``one_step``: the kernel runs only its
+    masked remainder step, in the remainder's own step size, so narrow loads cost it far less
+    per step than a long K loop's; on an H100 such products ran 1.2x faster on the plans
+    costed so); so is the portable kernel reading an M-contiguous A (x.t() in a weight
+    gradient), which ran at a third of the Hopper kernel's speed on an H100 (128 x 4416 x
+    2432: 32.6 us against 17.9)."""
     if kernel != "portable":
         return kernel
-    return "portable-narrow" if narrow else "portable-mcol" if a_m_contiguous else kernel
+    if narrow:
+        return "portable-narrow-one-step" if one_step else "portable-narrow"
+    return "portable-mcol" if a_m_contiguous else kernel
+
+
+# A cost kernel without fitted tiles of its own is costed as the one it refines.
+REFINES = {"portable-narrow-one-step": "portable-narrow"}
 
 
 def _tile_key(kernel: str, tile: tuning.TileConfig) -> tuple[str, int, int, int, int]:
@@ -83,7 +94,10 @@ def tile_cost(costs: Costs, kernel: str, tile: tuning.TileConfig) -> TileCost:
     if known is not None:
         return known
     area = tile.block_m * tile.block_n
-    same = [(k, c) for k, c in costs.tiles.items() if k[0] == kernel] or list(costs.tiles.items())
+    same = [(k, c) for k, c in costs.tiles.items() if k[0] == kernel]
+    if not same and kernel in REFINES:
+        return tile_cost(costs, REFINES[kernel], tile)
+    same = same or list(costs.tiles.items())
     (_, bm, bn, _, _), cost = min(
         same, key=lambda kc: abs(math.log(kc[0][1] * kc[0][2] / area)))
     scale = area / (bm * bn)
@@ -149,7 +163,8 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
-    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous), plan.tile)
+    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous,
+                                        k <= plan.tile.block_k), plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
@@ -220,6 +235,13 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # geomean against 0.94x before (the best of those timed: 1.04x); on seeds 2 and 3 the 182
 # shapes whose plan changed ran 1.10x and 1.11x faster, same run
 # (docs/data/latency-splits-ab-h100-seed2-3.csv).
+# The one-step narrow tiles ('portable-narrow-one-step') were fitted alone (bench.fit --refit)
+# on docs/data/plans-h100-seed1-narrow-ktail.csv, every portable plan on seed 1's narrow-pitch
+# shapes timed on the kernels whose K remainder loads in tile-sized steps (before them, such a
+# remainder spilled registers, and those timings set the other narrow tiles): on held-out seed
+# 11 (400 shapes, bf16 and fp16, one run, docs/data/chosen-h100-seed11-onestep-ab-*.csv) the
+# 108 picks that changed ran 1.09x faster. Refitting the multi-step narrow tiles on the same
+# timings too made the picks 0.97x as fast: their long-K rows are few.
 H100_COSTS = Costs(
     launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
@@ -265,6 +287,18 @@ H100_COSTS = Costs(
         ('portable-narrow', 64, 256, 4, 4): TileCost(0.3793, 13.67, 0.5205),
         ('portable-narrow', 128, 64, 4, 4): TileCost(16.29, 0.1478, 0.1675),
         ('portable-narrow', 128, 128, 8, 5): TileCost(2.238, 2.18, 1.572),
+        ('portable-narrow-one-step', 16, 16, 4, 4): TileCost(1.718, 0.2821, 0.4515),
+        ('portable-narrow-one-step', 16, 32, 4, 4): TileCost(1.701, 0.335, 0.5719),
+        ('portable-narrow-one-step', 16, 64, 4, 4): TileCost(2.494, 0.2696, 0.4204),
+        ('portable-narrow-one-step', 16, 64, 4, 6): TileCost(2.497, 0.2511, 0.3761),
+        ('portable-narrow-one-step', 16, 128, 4, 4): TileCost(2.443, 0.2297, 0.3151),
+        ('portable-narrow-one-step', 32, 64, 4, 4): TileCost(0.7603, 0.488, 1.167),
+        ('portable-narrow-one-step', 32, 128, 4, 4): TileCost(2.412, 0.108, 0.1218),
+        ('portable-narrow-one-step', 64, 16, 4, 4): TileCost(2.571, 0.1502, 0.1793),
+        ('portable-narrow-one-step', 64, 32, 4, 4): TileCost(1.475, 0.3588, 0.672),
+        ('portable-narrow-one-step', 64, 64, 4, 4): TileCost(1.621, 0.393, 0.8021),
+        ('portable-narrow-one-step', 64, 64, 4, 5): TileCost(1.619, 0.3693, 0.711),
+        ('portable-narrow-one-step', 64, 128, 4, 4): TileCost(1.699, 0.406, 0.8533),
         ('tma', 16, 16, 4, 4): TileCost(3.871, 0.4647, 0.5206),
         ('tma', 16, 32, 4, 4): TileCost(3.048, 0.3265, 0.5013),
         ('tma', 16, 64, 4, 4): TileCost(4.475, 0.8834, 0.6228),

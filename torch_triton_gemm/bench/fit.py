@@ -122,7 +122,8 @@ def narrow_row(r: Mapping[str, Any]) -> bool:
 
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
     return plan_model._tile_key(
-        plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous), r.plan.tile)
+        plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
+                               r.k <= r.plan.tile.block_k), r.plan.tile)
 
 
 def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
@@ -306,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--fit-before needs --fit: today's timings set the launch constants")
     if not args.fit and not args.check:
         parser.error("give plan-sweep CSVs to --fit on and/or to --check")
-    cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles})
+    cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles} | set(
+        plan_model.REFINES))
     if args.refit is not None and args.refit not in cost_kernels:
         parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:
