@@ -120,25 +120,35 @@ def test_work_counts_waves_splits_and_stream_k_shares():
 
 
 def test_narrow_products_of_one_k_step_are_costed_apart(h100):
-    """A narrow-pitch product whose K fits one BLOCK_K step runs only the portable kernel's
-    masked remainder step: its tiles have constants of their own (an H100 ran such products'
-    portable plans far faster than the multi-step narrow constants said: 2496 x 2048 x 8,
-    7.5 us portable against 10.1 on the TMA plan those constants chose), and constants without
-    them cost it as the multi-step narrow tiles."""
+    """A narrow-pitch product that each program crosses in one K step (one whole BLOCK_K step
+    or one remainder step) has tile constants of its own: an H100 ran such products' portable
+    plans far faster than the multi-step narrow constants said (2496 x 2048 x 8, 7.5 us
+    portable against 10.1 on the TMA plan those constants chose). Two remainder steps, even
+    with K <= BLOCK_K, are multi-step (15104 x 192 x 120 on 64x64x128 tiles: 15.7 us where
+    one-step constants said 8), and constants without one-step tiles cost one-step products
+    as multi-step ones."""
     assert plan_model.cost_kernel("portable", True, one_step=True) == "portable-narrow-one-step"
     assert plan_model.cost_kernel("portable", False, one_step=True) == "portable"
     assert plan_model.cost_kernel("tma", True, one_step=True) == "tma"
+    wide = tuning.MMPlan("portable", tuning.TileConfig(64, 128, 64, 8, 4, 4))
+    deep = tuning.MMPlan("portable", tuning.TileConfig(64, 64, 128, 4, 4, 4))
+    # Remainder steps of 32 and 64 columns: one step up to them or at one whole BLOCK_K.
+    for plan, ones, twos in ((wide, (1, 8, 32, 64), (33, 56, 65, 96)),
+                             (deep, (1, 64, 128), (65, 120, 129))):
+        assert all(plan_model.one_step(plan, k, 2) for k in ones), plan
+        assert not any(plan_model.one_step(plan, k, 2) for k in twos), plan
+    # 1-byte inputs: remainder steps of 32 on every tile.
+    assert plan_model.one_step(deep, 32, 1) and not plan_model.one_step(deep, 64, 1)
     costs = plan_model.H100_COSTS
-    plan = tuning.MMPlan("portable", tuning.TileConfig(64, 128, 64, 8, 4, 4))
-    one_step, two_steps = (plan_model.predict_us(costs, plan, 2496, 2048, k, 2, 2, True, True)
-                           for k in (56, 72))
-    assert one_step < two_steps / 2
+    assert plan_model.tile_cost(costs, "portable-narrow-one-step", wide.tile) != (
+        plan_model.tile_cost(costs, "portable-narrow", wide.tile))
     without = dataclasses.replace(costs, tiles={
         key: c for key, c in costs.tiles.items() if key[0] != "portable-narrow-one-step"})
-    assert (plan_model.tile_cost(without, "portable-narrow-one-step", plan.tile)
-            == plan_model.tile_cost(without, "portable-narrow", plan.tile))
-    picked = plan_model.modelled_plan(2496, 2048, 8, 2, 2, True, 132, True, True)
-    assert picked.kernel == "portable"
+    assert (plan_model.tile_cost(without, "portable-narrow-one-step", wide.tile)
+            == plan_model.tile_cost(without, "portable-narrow", wide.tile))
+    assert plan_model.modelled_plan(2496, 2048, 8, 2, 2, True, 132, True, True).kernel == (
+        "portable")
+    assert plan_model.modelled_plan(15104, 192, 120, 2, 2, True, 132, True, True).kernel == "tma"
 
 
 def test_predicted_time_grows_with_the_work(h100):

@@ -1159,12 +1159,17 @@ def test_the_remainder_of_k_loads_in_short_steps_and_spills_nothing_on_hopper():
         block_m, block_n, block_k, warps, count, stack = map(int, line.split())
         assert stack == 0, lines
         loads[block_m, block_n, block_k, warps] = count
-    # One BLOCK_K step on small tiles; 64, 32 and 16 columns of K on larger ones.
+    # One BLOCK_K step on small tiles; 64, 32 and 16 columns of K on larger ones: the step
+    # the plan model counts (tuning.remainder_step) is the one the kernel builds.
     assert loads[16, 64, 128, 4] == loads[64, 16, 128, 4] == 80, lines
     assert loads[32, 32, 128, 4] == loads[16, 16, 256, 4] == 64, lines
     assert loads[64, 64, 128, 4] == 64 and loads[16, 64, 256, 4] == 80, lines
     assert loads[32, 128, 128, 4] == 40 and loads[64, 128, 64, 4] == 48, lines
     assert loads[128, 128, 64, 4] == 32 and loads[128, 128, 64, 8] == 16, lines
+    for tile in PLAN_SPACE_TILES:
+        step = tuning.remainder_step(tile, 2)
+        assert loads[tile.block_m, tile.block_n, tile.block_k, tile.num_warps] == (
+            (tile.block_m + tile.block_n) * step // (32 * tile.num_warps)), (tile, lines)
 
 
 _STORE_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """

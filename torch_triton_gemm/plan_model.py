@@ -64,10 +64,9 @@ def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
                 one_step: bool = False) -> str:
     """The kernel name costs are kept under: the portable kernel reading operands whose pitches
     are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart,
-    and apart again where K fits in one BLOCK_K step (``one_step``: the kernel runs only its
-    masked remainder step, in the remainder's own step size, so narrow loads cost it far less
-    per step than a long K loop's; on an H100 such products ran 1.2x faster on the plans
-    costed so); so is the portable kernel reading an M-contiguous A (x.t() in a weight
+    and apart again where each program takes one K step (``one_step``, see the function of
+    that name: one load of each operand tile, so narrow loads cost it far less than a long K
+    loop's); so is the portable kernel reading an M-contiguous A (x.t() in a weight
     gradient), which ran at a third of the Hopper kernel's speed on an H100 (128 x 4416 x
     2432: 32.6 us against 17.9)."""
     if kernel != "portable":
@@ -79,6 +78,15 @@ def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
 
 # A cost kernel without fitted tiles of its own is costed as the one it refines.
 REFINES = {"portable-narrow-one-step": "portable-narrow"}
+
+
+def one_step(plan: tuning.MMPlan, k: int, element_size: int) -> bool:
+    """Whether each program of ``plan`` takes one K step through ``k`` columns (see
+    ``cost_kernel``): one whole BLOCK_K step, or one step of the remainder
+    (``tuning.k_loop_steps``). K <= BLOCK_K is not enough: on an H100 15104 x 192 x 120 on
+    64x64x128 tiles (two remainder steps of 64) took 15.7 us, twice what constants fitted to
+    single steps predicted."""
+    return tuning.k_loop_steps(k, plan.tile, element_size) == 1
 
 
 def _tile_key(kernel: str, tile: tuning.TileConfig) -> tuple[str, int, int, int, int]:
@@ -164,7 +172,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
     cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous,
-                                        k <= plan.tile.block_k), plan.tile)
+                                        one_step(plan, k, element_size)), plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
@@ -238,10 +246,12 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # The one-step narrow tiles ('portable-narrow-one-step') were fitted alone (bench.fit --refit)
 # on docs/data/plans-h100-seed1-narrow-ktail.csv, every portable plan on seed 1's narrow-pitch
 # shapes timed on the kernels whose K remainder loads in tile-sized steps (before them, such a
-# remainder spilled registers, and those timings set the other narrow tiles): on held-out seed
-# 11 (400 shapes, bf16 and fp16, one run, docs/data/chosen-h100-seed11-onestep-ab-*.csv) the
-# 108 picks that changed ran 1.09x faster. Refitting the multi-step narrow tiles on the same
-# timings too made the picks 0.97x as fast: their long-K rows are few.
+# remainder spilled registers, and those timings set the other narrow tiles). A first version
+# keyed on K <= BLOCK_K alone: on held-out seed 11 (400 shapes, bf16 and fp16, one run,
+# docs/data/chosen-h100-seed11-onestep-ab-*.csv) its 108 changed picks ran 1.09x faster, but
+# on seed 8 it ran products whose remainder takes two steps at half cuBLAS's speed (15104 x
+# 192 x 120: 0.36x, docs/data/chosen-h100-seed8-885d0d0.csv). Refitting the multi-step narrow
+# tiles on the same timings made the picks 0.97x as fast: their long-K rows are few.
 H100_COSTS = Costs(
     launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
@@ -287,18 +297,18 @@ H100_COSTS = Costs(
         ('portable-narrow', 64, 256, 4, 4): TileCost(0.3793, 13.67, 0.5205),
         ('portable-narrow', 128, 64, 4, 4): TileCost(16.29, 0.1478, 0.1675),
         ('portable-narrow', 128, 128, 8, 5): TileCost(2.238, 2.18, 1.572),
-        ('portable-narrow-one-step', 16, 16, 4, 4): TileCost(1.718, 0.2821, 0.4515),
-        ('portable-narrow-one-step', 16, 32, 4, 4): TileCost(1.701, 0.335, 0.5719),
-        ('portable-narrow-one-step', 16, 64, 4, 4): TileCost(2.494, 0.2696, 0.4204),
-        ('portable-narrow-one-step', 16, 64, 4, 6): TileCost(2.497, 0.2511, 0.3761),
-        ('portable-narrow-one-step', 16, 128, 4, 4): TileCost(2.443, 0.2297, 0.3151),
-        ('portable-narrow-one-step', 32, 64, 4, 4): TileCost(0.7603, 0.488, 1.167),
-        ('portable-narrow-one-step', 32, 128, 4, 4): TileCost(2.412, 0.108, 0.1218),
-        ('portable-narrow-one-step', 64, 16, 4, 4): TileCost(2.571, 0.1502, 0.1793),
-        ('portable-narrow-one-step', 64, 32, 4, 4): TileCost(1.475, 0.3588, 0.672),
-        ('portable-narrow-one-step', 64, 64, 4, 4): TileCost(1.621, 0.393, 0.8021),
-        ('portable-narrow-one-step', 64, 64, 4, 5): TileCost(1.619, 0.3693, 0.711),
-        ('portable-narrow-one-step', 64, 128, 4, 4): TileCost(1.699, 0.406, 0.8533),
+        ('portable-narrow-one-step', 16, 16, 4, 4): TileCost(1.703, 0.2865, 0.4621),
+        ('portable-narrow-one-step', 16, 32, 4, 4): TileCost(1.86, 0.2863, 0.4621),
+        ('portable-narrow-one-step', 16, 64, 4, 4): TileCost(2.493, 0.2698, 0.421),
+        ('portable-narrow-one-step', 16, 64, 4, 6): TileCost(2.496, 0.2513, 0.3772),
+        ('portable-narrow-one-step', 16, 128, 4, 4): TileCost(2.109, 0.2888, 0.4694),
+        ('portable-narrow-one-step', 32, 64, 4, 4): TileCost(0.7636, 0.476, 1.176),
+        ('portable-narrow-one-step', 32, 128, 4, 4): TileCost(1.558, 0.3408, 0.6186),
+        ('portable-narrow-one-step', 64, 16, 4, 4): TileCost(2.566, 0.152, 0.1849),
+        ('portable-narrow-one-step', 64, 32, 4, 4): TileCost(1.48, 0.3574, 0.6698),
+        ('portable-narrow-one-step', 64, 64, 4, 4): TileCost(1.63, 0.3785, 0.739),
+        ('portable-narrow-one-step', 64, 64, 4, 5): TileCost(1.619, 0.3694, 0.711),
+        ('portable-narrow-one-step', 64, 128, 4, 4): TileCost(1.682, 0.4112, 0.8055),
         ('tma', 16, 16, 4, 4): TileCost(3.871, 0.4647, 0.5206),
         ('tma', 16, 32, 4, 4): TileCost(3.048, 0.3265, 0.5013),
         ('tma', 16, 64, 4, 4): TileCost(4.475, 0.8834, 0.6228),

@@ -142,6 +142,25 @@ def shared_memory_bytes(tile: TileConfig, element_size: int) -> int:
     return (tile.block_m + tile.block_n) * tile.block_k * element_size * tile.num_stages
 
 
+def remainder_step(tile: TileConfig, element_size: int) -> int:
+    """The K step in which the portable kernels load what is left of K after the whole BLOCK_K
+    steps (``TAIL_K`` of ``kernels/tiles.py``'s ``k_loop``, which says why): the longest of
+    BLOCK_K, BLOCK_K / 2, ... whose loads and half the accumulator stay within 84 values a
+    thread of 4 warps, at least 16; 32 for 1-byte inputs; at most BLOCK_K."""
+    limit = (84 * 128 - tile.block_m * tile.block_n // 2) // (tile.block_m + tile.block_n)
+    fit = next((tile.block_k // d for d in (1, 2, 4, 8) if tile.block_k // d <= limit),
+               tile.block_k // 16)
+    step = 32 if element_size == 1 else max(fit, 16)
+    return min(step, tile.block_k)
+
+
+def k_loop_steps(k: int, tile: TileConfig, element_size: int) -> int:
+    """The K steps a portable-kernel program takes through ``k`` columns: the whole BLOCK_K
+    steps, then the remainder's (``remainder_step``)."""
+    whole, left = divmod(k, tile.block_k)
+    return whole + -(-left // remainder_step(tile, element_size))
+
+
 def effective_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(splits, K per split) for splitting K into ``split_k`` parts of whole BLOCK_K steps; the
     count can come out lower than asked so that no split is empty."""

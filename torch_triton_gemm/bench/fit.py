@@ -123,7 +123,8 @@ def narrow_row(r: Mapping[str, Any]) -> bool:
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
     return plan_model._tile_key(
         plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
-                               r.k <= r.plan.tile.block_k), r.plan.tile)
+                               plan_model.one_step(r.plan, r.k, r.element_size)),
+        r.plan.tile)
 
 
 def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
