@@ -277,6 +277,37 @@ def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():
         assert abs(math.log(predicted / r.us)) < 0.05, (r.plan, r.m, r.n, r.k)
 
 
+def test_a_launch_rebase_recovers_each_kernels_offset_and_keeps_the_rest():
+    """Timings made from constants whose TMA launches are 1.5 us cheaper and portable ones 0.8
+    us cheaper (as launches got cheaper after the constants were fitted): the rebase finds
+    both offsets, predicts the timings again, and leaves the kernels without rows and every
+    step and tile constant as they were."""
+    pytest.importorskip("scipy")
+    base = plan_model.H100_COSTS
+    truth = {"tma": 1.5, "portable": 0.8}
+    today = dataclasses.replace(base, tiles={
+        key: dataclasses.replace(cost, launch_us=cost.launch_us - truth.get(key[0], 0.0))
+        for key, cost in base.tiles.items()})
+    plans = [tuning.MMPlan(kernel, tuning.TileConfig(bm, bn, bk, 8, 4, stages), split_k=split)
+             for kernel in ("tma", "portable")
+             for bm, bn, bk, stages in ((64, 64, 64, 5), (64, 128, 64, 4), (16, 64, 128, 6))
+             for split in (1, 3)]
+    rows = [_timed(plan, m, n, k, False, True, today) for plan in plans
+            for m, n, k in _REFIT_SHAPES]
+    rebased, offsets = fit.rebase_launches(rows, base)
+    assert offsets.keys() == truth.keys()
+    for kernel, offset in truth.items():
+        assert abs(offsets[kernel] - offset) < 0.05, offsets
+    for key, cost in base.tiles.items():
+        new = rebased.tiles[key]
+        assert (new.step_us, new.tile_us) == (cost.step_us, cost.tile_us)
+        if key[0] not in truth:
+            assert new == cost
+    for r in rows:
+        predicted = plan_model.predict_us(rebased, r.plan, r.m, r.n, r.k, 2, 2)
+        assert abs(math.log(predicted / r.us)) < 0.05, (r.plan, r.m, r.n, r.k)
+
+
 def test_rows_timed_before_a_launch_change_teach_all_but_the_launches():
     """A refit on many shapes timed before launches got cheaper (launch constants 1.8x today's)
     and a few timed today: today's launches are what the refit predicts, everywhere, while

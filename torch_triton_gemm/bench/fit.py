@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import statistics
 import sys
@@ -226,6 +227,45 @@ def fit(rows: Sequence[Timed], num_sms: int,
                             {**fixed.tiles, **fitted.tiles}, fixed.machine)
 
 
+def rebase_launches(rows: Sequence[Timed], costs: plan_model.Costs,
+                    floor_us: float = 0.3) -> tuple[plan_model.Costs, dict[str, float]]:
+    """``costs`` with each cost kernel's launch constants moved by one offset, fitted on
+    ``rows`` (timed after the constants were: launches changed since, e.g. programmatic
+    dependent launch, while steps and tiles did not), and the offsets (us, positive: today's
+    launches are cheaper). Each offset minimises the median absolute log error of the
+    kernel's rows; a launch constant stays at least ``floor_us``; kernels without rows keep
+    their constants."""
+    import numpy as np
+    from scipy.optimize import minimize_scalar
+
+    by_kernel: dict[str, list[Timed]] = defaultdict(list)
+    for r in rows:
+        if r.plan.stream_k or (r.plan.split_fixup and "fixup" not in costs.launch_us):
+            continue
+        by_kernel[_key(r)[0]].append(r)
+    offsets = {}
+    for kernel, timed in sorted(by_kernel.items()):
+        measured = np.log([r.us for r in timed])
+        # The kernel's part of each prediction that is not its launch.
+        launch = np.array([plan_model.tile_cost(costs, kernel, r.plan.tile).launch_us
+                           for r in timed])
+        rest = np.array([plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, r.element_size,
+                                               r.element_size, r.aligned, r.narrow,
+                                               r.a_m_contiguous) for r in timed]) - launch
+
+        def error(offset: float, measured: Any = measured, rest: Any = rest,
+                  launch: Any = launch) -> float:
+            return float(np.median(np.abs(
+                measured - np.log(rest + np.maximum(launch - offset, floor_us)))))
+
+        offsets[kernel] = float(minimize_scalar(error, bounds=(-10.0, 10.0),
+                                                method="bounded").x)
+    tiles = {key: cost if key[0] not in offsets else dataclasses.replace(
+        cost, launch_us=max(floor_us, cost.launch_us - offsets[key[0]]))
+        for key, cost in costs.tiles.items()}
+    return dataclasses.replace(costs, tiles=tiles), offsets
+
+
 def _globals_of(costs: plan_model.Costs) -> list[float]:
     """The global constants of ``costs`` in ``GLOBALS`` order (1 for fix-up constants that
     ``costs`` lacks; no plan they would cost is fitted with them)."""
@@ -298,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "constant with --fit's but the launches, whose constants --fit's "
                              "rows set")
     parser.add_argument("--check", nargs="*", default=[], help="plan-sweep CSVs to judge on")
+    parser.add_argument("--rebase-launches", nargs="*", default=[], metavar="CSV",
+                        help="plan-sweep CSVs timed after the constants: move each cost "
+                             "kernel's launch constants by the offset that fits them best "
+                             "(after --fit, if given), print the offsets and the constants")
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--refit", default=None, metavar="KERNEL",
                         help="fit only the tiles of this cost kernel (plan_model.cost_kernel: "
@@ -306,14 +350,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fit_before and not args.fit:
         parser.error("--fit-before needs --fit: today's timings set the launch constants")
-    if not args.fit and not args.check:
-        parser.error("give plan-sweep CSVs to --fit on and/or to --check")
+    if not args.fit and not args.check and not args.rebase_launches:
+        parser.error("give plan-sweep CSVs to --fit on, --rebase-launches on and/or to --check")
     cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles} | set(
         plan_model.REFINES))
     if args.refit is not None and args.refit not in cost_kernels:
         parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:
-        fitted = {path: read([path]) for path in (*args.fit, *args.check)}
+        fitted = {path: read([path])
+                  for path in (*args.fit, *args.check, *args.rebase_launches)}
         fitted.update({path: read([path], before=True) for path in args.fit_before})
     except OSError as error:
         parser.error(str(error))
@@ -334,6 +379,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(costs_source(costs))
         print("fit set (--fit's rows):")
         check(costs, [r for r in rows if not r.before])
+    if args.rebase_launches:
+        costs, offsets = rebase_launches(
+            current_kernels([r for path in args.rebase_launches for r in fitted[path]]), costs)
+        print("launch offsets (us): " + ", ".join(f"{k} {v:.2f}" for k, v in offsets.items()))
+        print(costs_source(costs))
     for path in args.check:
         print(f"check {path}:")
         check(costs, fitted[path])
