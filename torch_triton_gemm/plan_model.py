@@ -252,6 +252,11 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # on seed 8 it ran products whose remainder takes two steps at half cuBLAS's speed (15104 x
 # 192 x 120: 0.36x, docs/data/chosen-h100-seed8-885d0d0.csv). Refitting the multi-step narrow
 # tiles on the same timings made the picks 0.97x as fast: their long-K rows are few.
+# Keyed on one step (this version), timed against the constants without one-step tiles on
+# held-out seeds 11 and 8 (docs/data/chosen-h100-seed{11,8}-launch-ab-*.csv): the changed picks
+# ran 1.16x and 1.18x faster. The launch offsets of bench.fit --rebase-launches, timed in the
+# same runs, made the picks they changed 0.97x as fast (tiny products moved to TMA plans), so
+# the launch constants stay as fitted.
 H100_COSTS = Costs(
     launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
