@@ -196,6 +196,40 @@ def test_deterministic(device, highest_fp32):
     assert rel_error(runs[0][0], first) <= tolerance(torch.float16, torch.float16)
 
 
+def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32, monkeypatch):
+    """Eager calls (the ops' eager kernels) plan each routed launch once per call signature:
+    a training step again with fresh values and another routing of the same shapes plans
+    nothing new and still matches the float64 reference, outputs and gradients; another token
+    count plans anew. Traced calls never take the memo."""
+    from torch_triton_gemm.ops import launcher
+
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    prepared = []
+    real = moe_module.prepare_grouped_launch
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        prepared.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "prepare_grouped_launch", counting)
+    counts = []
+    for tokens, skew in ((16, False), (16, False), (16, True), (10, False)):
+        s = make_sample(device, torch.float16, tokens=tokens, empty_expert=not skew)
+        if skew:  # every token's first slot to expert 0: other group sizes, same shapes
+            s.ids[:, 0] = 0
+            s.ids[:, 1] = 1 + torch.arange(tokens, device=device) % (E - 1)
+        with torch.no_grad():
+            out = torch.ops.tgemm.moe_mlp(*s.args())
+        ref = reference(*s.args())
+        assert rel_error(out, ref) <= tolerance(torch.float16, torch.float16), s.name
+        _grads_match(s)
+        counts.append(len(prepared))
+    assert counts[0] > 0 and counts[1] == counts[0] and counts[2] == counts[0], counts
+    assert counts[3] > counts[2], counts
+    keys = [key for key in launcher._EAGER_LAUNCHES if key[0] == moe_module.ROUTED_OP]
+    assert len(keys) == counts[3]
+
+
 def test_routed_launches_write_only_their_rows(device, highest_fp32):
     """Into NaN-poisoned outputs: the gathering launch writes the slots inside offs (the rest
     keep their poison); the combining one writes every token's row, a slot of no expert adding

@@ -464,7 +464,7 @@ class EagerEntry(NamedTuple):
     """A memoised eager signature: a new output as the first call made it (``empty_strided``
     with that call's layout: the cheapest of torch's allocating calls, no option parsing from a
     template tensor as in ``new_empty``), and the prepared launch (None: nothing to launch)."""
-    allocate: Callable[[], torch.Tensor]
+    allocate: Callable[[], torch.Tensor] | None  # None: the caller allocates (memoised_launch)
     prepared: Any
 
 
@@ -502,6 +502,20 @@ def memoised_eager_call(signature: tuple[Any, ...],
         return out, prepared
     allocate, prepared = known
     return allocate(), prepared
+
+
+def memoised_launch(signature: tuple[Any, ...], prepare: Callable[[], Any]) -> Any:
+    """The prepared launch of an eager call whose caller allocates the output itself, from the
+    memo of its ``signature`` (which must fix everything ``prepare`` depends on, as in
+    ``memoised_eager_call``); the first call of a signature runs ``prepare()``."""
+    known = _EAGER_LAUNCHES.get(signature)
+    if known is not None:
+        return known.prepared
+    prepared = prepare()
+    if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
+        _EAGER_LAUNCHES.clear()
+    _EAGER_LAUNCHES[signature] = EagerEntry(None, prepared)
+    return prepared
 
 
 def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,

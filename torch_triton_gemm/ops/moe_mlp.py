@@ -61,15 +61,16 @@ from .. import tuning
 from ..kernels.combine import combine_kernel
 from ..kernels.glu import glu_backward_kernel, glu_forward_kernel
 from ._registry import define_triton_op, explain_bad_arguments
-from .checks import check, check_value
+from .checks import check, check_value, float32_precision
 from .grouped_launch import (
+    GroupedLaunch,
     GroupedRouting,
     check_grouping,
     prepare_grouped_launch,
     run_grouped_launch,
 )
 from .grouped_mm import grouped_mm
-from .launcher import launch_kernel
+from .launcher import launch_kernel, memoised_launch, tensor_key
 
 OP = "tgemm::moe_mlp"
 ROUTED_OP = "tgemm::moe_routed_mm"
@@ -243,8 +244,8 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
     past offs[-1] adding nothing: the plain grouped launch into a [S, N] buffer (whole tiles
     stored through TMA where it can), then kernels/combine.py."""
     if route == "gather":
-        launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, out, zero_tail,
-                                        routing=GroupedRouting(rows.shape[0], gate))
+        launch = _grouped_launch(a, b, offs, out, zero_tail,
+                                 GroupedRouting(rows.shape[0], gate), traceable)
         if launch is not None:
             run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows)
         return
@@ -255,7 +256,7 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
         out.zero_()
         return
     per_slot = a.new_empty(a.shape[0], out.shape[1])
-    launch = prepare_grouped_launch(ROUTED_OP, a, b, offs, None, per_slot, False)
+    launch = _grouped_launch(a, b, offs, per_slot, False, None, traceable)
     if launch is not None:
         run_grouped_launch(launch, a, b, offs, None, per_slot, traceable)
     block_t, block_n, num_warps = tuning.moe_elementwise_tile()
@@ -268,15 +269,46 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
                   {"BLOCK_T": block_t, "BLOCK_N": block_n, "num_warps": num_warps}, traceable)
 
 
+def _grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor,
+                    zero_tail: bool, routing: GroupedRouting | None,
+                    traceable: bool) -> GroupedLaunch | None:
+    """The grouped launch of a routed product; for plain eager calls (not ``traceable``)
+    memoised per call signature, since it depends on the tensors' layouts alone (offs and rows
+    are read on the device), so that a training step does not plan its launches again."""
+    if traceable:
+        return prepare_grouped_launch(ROUTED_OP, a, b, offs, None, out, zero_tail,
+                                      routing=routing)
+    signature = (ROUTED_OP, tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(out),
+                 bool(zero_tail), routing, float32_precision())
+    return memoised_launch(signature, lambda: prepare_grouped_launch(
+        ROUTED_OP, a, b, offs, None, out, zero_tail, routing=routing))
+
+
 def _moe_routed_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
                         rows: torch.Tensor, row_weights: torch.Tensor | None, route: str,
                         gate: str, zero_tail: bool) -> torch.Tensor:
+    return _routed_mm(a, b, offs, rows, row_weights, route, gate, zero_tail, True)
+
+
+def _moe_routed_mm_eager(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                         rows: torch.Tensor, row_weights: torch.Tensor | None, route: str,
+                         gate: str, zero_tail: bool) -> torch.Tensor:
+    return _routed_mm(a, b, offs, rows, row_weights, route, gate, zero_tail, False)
+
+
+def _routed_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor,
+               row_weights: torch.Tensor | None, route: str, gate: str, zero_tail: bool,
+               traceable: bool) -> torch.Tensor:
     out = _moe_routed_mm_fake(a, b, offs, rows, row_weights, route, gate, zero_tail)
-    launch_routed(a, b, offs, rows, row_weights, out, route, gate, zero_tail, traceable=True)
+    launch_routed(a, b, offs, rows, row_weights, out, route, gate, zero_tail, traceable)
     return out
 
 
-moe_routed_mm_op = define_triton_op(ROUTED_OP, _moe_routed_mm_impl, _moe_routed_mm_fake)
+# Every op of this module has eager kernels (``define_triton_op``'s ``eager_impl``): the same
+# body launching directly, without wrap_triton, and without the generic custom-op wrappers
+# that cost tens of microseconds a call (a training step calls seven of these ops).
+moe_routed_mm_op = define_triton_op(ROUTED_OP, _moe_routed_mm_impl, _moe_routed_mm_fake,
+                                    eager_impl=_moe_routed_mm_eager)
 
 
 # --- the gated activation's backward ----------------------------------------------------------
@@ -297,6 +329,18 @@ def _glu_backward_fake(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Ten
 def _glu_backward_impl(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
                        order: torch.Tensor, activation: str
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _glu_backward(pre, grad, weights, order, activation, True)
+
+
+def _glu_backward_eager(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
+                        order: torch.Tensor, activation: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _glu_backward(pre, grad, weights, order, activation, False)
+
+
+def _glu_backward(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
+                  order: torch.Tensor, activation: str, traceable: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels/glu.py: (w * act(gate) * up, the gradients of gate and up, the router weights'
     gradient at each slot's own place), from the pre-activations and the gradient of the gated
     product of every sorted slot."""
@@ -313,16 +357,17 @@ def _glu_backward_impl(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Ten
                   (pre, grad, weights, order, h_weighted, grad_pre, grad_weights, slots, inter,
                    pre.stride(0), grad.stride(0), h_weighted.stride(0), grad_pre.stride(0),
                    activation),
-                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, True)
+                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, traceable)
     return h_weighted, grad_pre, grad_weights
 
 
-glu_backward_op = define_triton_op(GLU_BACKWARD_OP, _glu_backward_impl, _glu_backward_fake)
+glu_backward_op = define_triton_op(GLU_BACKWARD_OP, _glu_backward_impl, _glu_backward_fake,
+                                   eager_impl=_glu_backward_eager)
 
 
-def glu_forward(pre: torch.Tensor, activation: str) -> torch.Tensor:
+def glu_forward(pre: torch.Tensor, activation: str, traceable: bool) -> torch.Tensor:
     """kernels/glu.py: act(gate) * up, [S, I], of saved pre-activations [S, 2I] (unit column
-    stride), in pre's dtype; launched traceably (the training op's body)."""
+    stride), in pre's dtype (the training op's body)."""
     slots, width = pre.shape
     h = pre.new_empty(slots, width // 2)
     if slots == 0 or width == 0:
@@ -331,7 +376,7 @@ def glu_forward(pre: torch.Tensor, activation: str) -> torch.Tensor:
     grid = ((slots + block_m - 1) // block_m, (width // 2 + block_n - 1) // block_n)
     launch_kernel(glu_forward_kernel, grid,
                   (pre, h, slots, width // 2, pre.stride(0), h.stride(0), activation),
-                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, True)
+                  {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps}, traceable)
     return h
 
 
@@ -344,27 +389,39 @@ def _moe_mlp_fake(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
 
 
 def _down_and_combine(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
-                      order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+                      order: torch.Tensor, topk_weights: torch.Tensor,
+                      traceable: bool) -> torch.Tensor:
     """The second launch and the combine: h times w2, each token's slot rows times their
     router weights summed (the slots of no expert, past offs[-1], add nothing)."""
     out = h.new_empty(topk_weights.shape[0], w2.shape[1])
     launch_routed(h, w2.transpose(-2, -1), offs, slot_positions(order, *topk_weights.shape),
-                  topk_weights, out, "combine", "none", False, traceable=True)
+                  topk_weights, out, "combine", "none", False, traceable)
     return out
 
 
 def _moe_mlp_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    return _moe_mlp(x, w13, w2, topk_ids, topk_weights, activation, True)
+
+
+def _moe_mlp_eager(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   activation: str = "silu") -> torch.Tensor:
+    return _moe_mlp(x, w13, w2, topk_ids, topk_weights, activation, False)
+
+
+def _moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor, activation: str, traceable: bool) -> torch.Tensor:
     _check_inputs(x, w13, w2, topk_ids, topk_weights, activation)
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     # Launch 1: gathered rows of x times gate and up columns, act(gate) * up in the epilogue.
     h = x.new_empty(order.shape[0], w2.shape[2])
     launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
-                  False, traceable=True)
-    return _down_and_combine(h, w2, offs, order, topk_weights)
+                  False, traceable)
+    return _down_and_combine(h, w2, offs, order, topk_weights, traceable)
 
 
-moe_mlp_op = define_triton_op(OP, _moe_mlp_impl, _moe_mlp_fake)
+moe_mlp_op = define_triton_op(OP, _moe_mlp_impl, _moe_mlp_fake, eager_impl=_moe_mlp_eager)
 
 
 # The training path: two ops, so that autograd frees the pre-activations (saved by the second)
@@ -387,17 +444,28 @@ def _moe_gate_up_fake(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
 
 def _moe_gate_up_impl(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_gate_up(x, w13, topk_ids, True)
+
+
+def _moe_gate_up_eager(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_gate_up(x, w13, topk_ids, False)
+
+
+def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, traceable: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the sorted slots' gate/up pre-activations [T * k, 2I], zeros for slots of no expert;
     order, token rows, offs): the first launch, storing the pre-activations."""
     _check_gate_up(x, w13, topk_ids)
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
     launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, pre, "gather", "none", True,
-                  traceable=True)
+                  traceable)
     return pre, order, token_rows, offs
 
 
-moe_gate_up_op = define_triton_op(GATE_UP_OP, _moe_gate_up_impl, _moe_gate_up_fake)
+moe_gate_up_op = define_triton_op(GATE_UP_OP, _moe_gate_up_impl, _moe_gate_up_fake,
+                                  eager_impl=_moe_gate_up_eager)
 
 
 def _check_down_op(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -427,15 +495,29 @@ def _moe_down_fake(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
 def _moe_down_impl(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor, activation: str = "silu"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_down(pre, w2, topk_ids, topk_weights, activation, True)
+
+
+def _moe_down_eager(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, activation: str = "silu"
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _moe_down(pre, w2, topk_ids, topk_weights, activation, False)
+
+
+def _moe_down(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, activation: str, traceable: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, H]; order, token rows, offs): act(gate) * up of the pre-activations (an
     elementwise kernel), then the second launch and the combine."""
     _check_down_op(pre, w2, topk_ids, topk_weights, activation)
     order, token_rows, offs = route(topk_ids, w2.shape[0])
-    out = _down_and_combine(glu_forward(pre, activation), w2, offs, order, topk_weights)
+    out = _down_and_combine(glu_forward(pre, activation, traceable), w2, offs, order,
+                            topk_weights, traceable)
     return out, order, token_rows, offs
 
 
-moe_down_op = define_triton_op(DOWN_OP, _moe_down_impl, _moe_down_fake)
+moe_down_op = define_triton_op(DOWN_OP, _moe_down_impl, _moe_down_fake,
+                               eager_impl=_moe_down_eager)
 
 
 # --- autograd -----------------------------------------------------------------------------------
