@@ -179,10 +179,9 @@ def test_no_slots_and_no_experts(device, grad):
 
 
 def test_deterministic(device, highest_fp32):
-    """The same bits every run, without gradients and with them. Calls that need gradients run
-    the training op, whose first launch stores the pre-activations in x's dtype before the
-    activation (the no-grad launch applies it to the fp32 accumulators): the two differ by that
-    rounding only."""
+    """The same bits every run, without gradients and with them; and the same output both ways:
+    the training ops' first launch applies the activation to the fp32 accumulators, as the
+    no-grad launch does, and stores the pre-activations beside."""
     s = make_sample(device, torch.float16, tokens=24)
     first = tg.moe_mlp(*s.args())
     assert torch.equal(tg.moe_mlp(*s.args()), first)
@@ -193,7 +192,7 @@ def test_deterministic(device, highest_fp32):
         runs.append((out, *torch.autograd.grad(out.square().sum(), (x, w13, w2, weights))))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    assert rel_error(runs[0][0], first) <= tolerance(torch.float16, torch.float16)
+    assert torch.equal(runs[0][0], first)
 
 
 def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32, monkeypatch):
@@ -303,27 +302,44 @@ def test_gradcheck_fp32(device, highest_fp32):
         _leaves(s), eps=1e-2, atol=5e-3, rtol=5e-3, nondet_tol=0.0, fast_mode=True)
 
 
-def test_training_forward_keeps_pre_activations_for_the_backward(device, highest_fp32):
-    """Calls that need gradients run tgemm::moe_gate_up (the sorted slots' pre-activations and
-    the routing) and tgemm::moe_down; the backward reads the pre-activations where the op's
-    recomputes them, to the same bits. The op path still gives gradients (by recomputing)."""
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_training_forward_keeps_pre_activations_for_the_backward(device, activation,
+                                                                  highest_fp32):
+    """Calls that need gradients run tgemm::moe_gate_up (one gated launch: act(gate) * up and,
+    beside it, the sorted slots' pre-activations, zeros past the last expert's slots; the
+    routing) and tgemm::moe_down on act(gate) * up; the backward reads the pre-activations
+    where the op's recomputes them, to the same bits. The op path still gives gradients (by
+    recomputing); moe_down without act(gate) * up applies the activation itself."""
     s = make_sample(device, torch.float16, tokens=24, top_k=3, empty_expert=True)
+    s.ids[0, 0] = -1  # a slot of no expert: sorted past the last one
     x, w13, w2, weights = _leaves(s)
     grad_out = randn(tuple(s.x.shape), s.x.dtype, s.x.device)
-    pre, *routing = torch.ops.tgemm.moe_gate_up(x, w13, s.ids)
+    pre, h, *routing = torch.ops.tgemm.moe_gate_up(x, w13, s.ids, activation)
+    assert not h.requires_grad and pre.requires_grad
     order, tokens, offs = moe_module.route(s.ids, E)
     assert all(torch.equal(a, b) for a, b in zip(routing, (order, tokens, offs)))
-    expected = torch.ops.tgemm.moe_routed_mm(s.x, s.w13.transpose(1, 2), offs, tokens, None,
-                                             "gather", "none", True)
-    assert torch.equal(pre, expected)
-    out, *down_routing = torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "silu")
+    routed = int(offs[-1])
+    assert routed < pre.shape[0] and not pre[routed:].any() and not h[routed:].any()
+    w13_t = s.w13.transpose(1, 2)
+    expected = torch.ops.tgemm.moe_routed_mm(s.x, w13_t, offs, tokens, None, "gather", "none",
+                                             True)
+    assert rel_error(pre, expected) <= tolerance(torch.float16, torch.float16)
+    gated = torch.ops.tgemm.moe_routed_mm(s.x, w13_t, offs, tokens, None, "gather", activation,
+                                          True)
+    assert torch.equal(h, gated)  # the no-grad forward's launch, to the bit
+    out, *down_routing = torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, activation, h)
     assert all(torch.equal(a, b) for a, b in zip(down_routing, (order, tokens, offs)))
+    from_pre = torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, activation)[0]
+    assert rel_error(from_pre, out) <= tolerance(torch.float16, torch.float16)
+    assert rel_error(out, reference(*s.args(), activation)) <= tolerance(torch.float16,
+                                                                         torch.float16)
     kept = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
-    recomputed = torch.autograd.grad(torch.ops.tgemm.moe_mlp(x, w13, w2, s.ids, weights),
-                                     (x, w13, w2, weights), grad_out)
+    recomputed = torch.autograd.grad(
+        torch.ops.tgemm.moe_mlp(x, w13, w2, s.ids, weights, activation), (x, w13, w2, weights),
+        grad_out)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a, b)
-    public = tg.moe_mlp(x, w13, w2, s.ids, weights)
+    public = tg.moe_mlp(x, w13, w2, s.ids, weights, activation)
     assert torch.equal(public, out)
     for a, b in zip(kept, torch.autograd.grad(public, (x, w13, w2, weights), grad_out)):
         assert torch.equal(a, b)
@@ -342,6 +358,9 @@ def test_only_the_down_half_keeps_the_pre_activations(device):
                    and "AccumulateGrad" not in f.name())
     assert any(tuple(t.shape) == pre_shape for t in down.saved_tensors)
     assert not any(tuple(t.shape) == pre_shape for t in gate_up.saved_tensors)
+    gated_shape = (s.ids.numel(), INTER)  # act(gate) * up: used by the forward alone
+    assert not any(tuple(t.shape) == gated_shape
+                   for node in (down, gate_up) for t in node.saved_tensors)
 
 
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # fp32 on purpose: the op has no fp64
@@ -354,8 +373,13 @@ def test_training_ops_gradcheck_through_the_pre_activations(device, highest_fp32
         pre = torch.ops.tgemm.moe_gate_up(x, w13, s.ids)[0]
         return torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "gelu")[0], pre
 
-    assert torch.autograd.gradcheck(both, _leaves(s), eps=1e-2, atol=5e-3, rtol=5e-3,
-                                    nondet_tol=0.0, fast_mode=True)
+    def kept(x, w13, w2, weights):  # type: ignore[no-untyped-def]
+        pre, h = torch.ops.tgemm.moe_gate_up(x, w13, s.ids, "gelu")[:2]
+        return torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "gelu", h)[0], pre
+
+    for fn in (both, kept):
+        assert torch.autograd.gradcheck(fn, _leaves(s), eps=1e-2, atol=5e-3, rtol=5e-3,
+                                        nondet_tol=0.0, fast_mode=True)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -436,10 +460,14 @@ def test_opcheck(device):
             args[4] = s.weights.detach().requires_grad_()
         torch.library.opcheck(torch.ops.tgemm.moe_mlp.default, (*args, "silu"))
         torch.library.opcheck(torch.ops.tgemm.moe_gate_up.default, (args[0], args[1], args[3]))
+        torch.library.opcheck(torch.ops.tgemm.moe_gate_up.default,
+                              (args[0], args[1], args[3], "gelu"))
         pre = randn((s.ids.numel(), 2 * INTER), torch.float16, device)
+        h = randn((s.ids.numel(), INTER), torch.float16, device)
         if requires_grad:
             pre.requires_grad_()
         torch.library.opcheck(torch.ops.tgemm.moe_down.default, (pre, *args[2:], "gelu"))
+        torch.library.opcheck(torch.ops.tgemm.moe_down.default, (pre, *args[2:], "gelu", h))
     order, tokens, offs = moe_module.route(s.ids, E)
     torch.library.opcheck(torch.ops.tgemm.moe_routed_mm.default,
                           (s.x, s.w13.transpose(1, 2), offs, tokens, None, "gather", "silu",
@@ -545,10 +573,10 @@ _COMPILE_SCRIPT = """
 from hopper_compile import compile_for as compile_for_sm90
 from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
-def compile_for(route, gate, tile):
+def compile_for(route, gate, tile, keep=False):
     block_m, block_n, block_k, num_warps, num_stages = tile
     constants = dict(
-        GROUPED="m", ZERO_TAIL=False, HAS_BIAS=False, bias_ptr=None,
+        GROUPED="m", ZERO_TAIL=keep, HAS_BIAS=False, bias_ptr=None,
         SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, sa_ptr=None, sb_ptr=None,
         USE_TMA=False, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=False, C_TMA=False,
         EPILOGUE_SUBTILE=1, INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False,
@@ -556,16 +584,22 @@ def compile_for(route, gate, tile):
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32",
                 "rows_ptr": "*i32"}
+    if keep:  # training: the pre-activations stored beside
+        pointers["pre_ptr"] = "*bf16"
+    else:
+        constants["pre_ptr"] = None
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm", "stride_bg",
-               "K", "N"]
+               "K", "N"] + (["pre_ptr"] if keep else [])
     compiled = compile_for_sm90(kernel, pointers, constants, aligned, num_warps=num_warps,
                                 num_stages=num_stages)
     ir = compiled.asm["ttgir"]
-    print(route, gate, "warp_group_dot" in ir,
+    print(route, gate + (" keep" if keep else ""), "warp_group_dot" in ir,
           "tma" if "tensor_desc" in ir or "async_tma" in ir else "pointers")
 
 compile_for("gather", "silu", (128, 128, 64, 8, 3))  # the wide tile, halved
+compile_for("gather", "silu", (128, 128, 64, 8, 3), keep=True)
 compile_for("gather", "gelu", (64, 128, 64, 4, 3))
+compile_for("gather", "gelu", (64, 128, 64, 4, 3), keep=True)
 compile_for("gather", "none", (128, 256, 64, 8, 3))
 
 from torch_triton_gemm.kernels.combine import combine_kernel
@@ -596,13 +630,14 @@ for activation in ("silu", "gelu"):
 
 def test_routed_kernel_compiles_for_hopper():
     """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
-    gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), plain
-    gathered rows (the backward); the combine; and the gated activation's elementwise
-    kernels."""
+    gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), also
+    keeping the pre-activations (training), plain gathered rows (the backward); the combine;
+    and the gated activation's elementwise kernels."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
-    assert out == ["gather silu True pointers", "gather gelu True pointers",
+    assert out == ["gather silu True pointers", "gather silu keep True pointers",
+                   "gather gelu True pointers", "gather gelu keep True pointers",
                    "gather none True pointers", "combine True", "combine False", "glu silu",
                    "glu gelu", "glu forward silu", "glu forward gelu"]
 

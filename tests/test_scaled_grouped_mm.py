@@ -599,7 +599,7 @@ def compile_for(scaling, fast, a_rows, b_cols, tile):
         SA_ROWS=a_rows, SB_COLS=b_cols, FAST_ACCUM=fast, USE_TMA=True, A_M_CONTIGUOUS=False,
         B_K_CONTIGUOUS=True, C_TMA=True, EPILOGUE_SUBTILE=2, INPUT_PRECISION=None,
         UPCAST_TO_FP32=False, INDEX_64=False, ROUTE="none", GATE="none",
-        rows_ptr=None, BLOCK_M=block_m, BLOCK_N=block_n,
+        rows_ptr=None, pre_ptr=None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16",
                 "offs_ptr": "*i32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}

@@ -11,7 +11,9 @@ With ROUTE = "gather" (tgemm::moe_mlp, GROUPED = "m"), the rows of the grouped p
 token slots sorted by expert whose rows of A are read through an index (no permuted copy of the
 tokens); C's rows are the sorted slots (kernels/combine.py sums them back per token). GATE (an
 activation name) makes the tile a gated one: it accumulates columns n of B and their partners
-n + N in one dot and stores act(first) * second (SwiGLU and its relatives).
+n + N in one dot and stores act(first) * second (SwiGLU and its relatives); given pre_ptr (a
+contiguous [M, 2N] buffer, training's saved pre-activations), it stores both halves there too,
+before the activation.
 
 Both walk the tiles of all groups the same way; a tile is computed by the shared pieces of
 tiles.py (``k_loop`` or ``accumulate``, ``step_scales`` and ``outer_scales`` for scaled products,
@@ -110,7 +112,7 @@ def wrapped(start, end, offs, INDEX_64: tl.constexpr):
 
 @triton.jit
 def pointer_tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, rows_ptr, m0, m1, n0, n1,
+    a_ptr, b_ptr, c_ptr, bias_ptr, sa_ptr, sb_ptr, rows_ptr, pre_ptr, m0, m1, n0, n1,
     k_size, pid_m, pid_n,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_bias,
     stride_sam, stride_sak, stride_sbk, stride_sbn,
@@ -123,7 +125,8 @@ def pointer_tile(
     pointers; a_ptr and b_ptr point at the first contraction index of the problem, sa_ptr and
     sb_ptr at the problem's scales (read as SCALING says, see tiles.py's ``accumulate``; not
     read by unscaled products). ROUTE and GATE gather A's rows through rows_ptr and gate the
-    tile (see the module docstring); GATE needs n0 = 0, the partner of column n being n + n1.
+    tile (see the module docstring); GATE needs n0 = 0, the partner of column n being n + n1,
+    and stores the halves into pre_ptr (row pitch 2 * n1) where it is not None.
 
     Rows and columns past the range are read wrapped inside it (no load masks) and not stored.
     """
@@ -147,6 +150,13 @@ def pointer_tile(
     )
     if GATE != "none":
         gate, up = column_halves(acc, BLOCK_M, ACC_N)
+        if pre_ptr is not None:
+            pre_rows = widen(m0 + rows, INDEX_64)
+            pre_cols = widen(cols, INDEX_64)
+            store_epilogue(gate, pre_ptr, pre_ptr, pre_rows, pre_cols, m1, n1, 2 * n1, 1, 0,
+                           False, "none")
+            store_epilogue(up, pre_ptr + widen(n1, INDEX_64), pre_ptr, pre_rows, pre_cols, m1,
+                           n1, 2 * n1, 1, 0, False, "none")
         acc = apply_activation(gate, GATE) * up
     else:
         acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn,
@@ -161,7 +171,7 @@ def pointer_tile(
 
 @triton.jit
 def grouped_mm_kernel(
-    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, rows_ptr,
+    a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, rows_ptr, pre_ptr,
     G, M, N, K,
     stride_ag, stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
@@ -196,7 +206,8 @@ def grouped_mm_kernel(
     # and columns of the full operands, as the operands are.
     # ROUTE = "gather" / GATE (tgemm::moe_mlp, GROUPED = "m", pointer loaders): M counts the
     # sorted token slots, rows_ptr maps each to the row of A it reads; with GATE, N is the
-    # gated output's width and B holds 2N columns (see ``pointer_tile``).
+    # gated output's width and B holds 2N columns, and pre_ptr (None, or [M, 2N] contiguous)
+    # keeps the pre-activations (see ``pointer_tile``; ZERO_TAIL zeroes its tail rows too).
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     tile = pid
@@ -277,7 +288,7 @@ def grouped_mm_kernel(
                     kw = widen(k0, INDEX_64)
                     pointer_tile(
                         a_g + kw * stride_ak, b_g + kw * stride_bk, c_g, bias_g, sa_g, sb_g,
-                        rows_ptr, m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
+                        rows_ptr, pre_ptr, m0, m1, n0, n1, k1 - k0, pid_m, pid_n,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         stride_bias_n, stride_sam, stride_sak, stride_sbk, stride_sbn,
                         HAS_BIAS, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
@@ -303,8 +314,14 @@ def grouped_mm_kernel(
                                         BLOCK_M, BLOCK_N, GROUP_M)
             rows = widen(m0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
             cols = widen(n0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
-            store_epilogue(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), c_ptr, bias_ptr,
-                           rows, cols, M, N, stride_cm, stride_cn, 0, False, "none")
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            store_epilogue(zeros, c_ptr, bias_ptr, rows, cols, M, N, stride_cm, stride_cn, 0,
+                           False, "none")
+            if pre_ptr is not None:  # both halves of the kept pre-activations
+                store_epilogue(zeros, pre_ptr, pre_ptr, rows, cols, M, N, 2 * N, 1, 0, False,
+                               "none")
+                store_epilogue(zeros, pre_ptr + widen(N, INDEX_64), pre_ptr, rows, cols, M, N,
+                               2 * N, 1, 0, False, "none")
             tile += num_programs
 
 
@@ -357,7 +374,7 @@ def grouped_mm_list_kernel(
                 pid_m, pid_n = grouped_tile(tile - tiles_before, m, n, BLOCK_M, BLOCK_N, GROUP_M)
                 # Unscaled products: the scale pointers and strides are not read.
                 pointer_tile(
-                    a_g, b_g, c_g, c_g, a_g, b_g, a_g, 0, m, 0, n, k, pid_m, pid_n,
+                    a_g, b_g, c_g, c_g, a_g, b_g, a_g, None, 0, m, 0, n, k, pid_m, pid_n,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
                     0, 0, 0, 0, False, INPUT_PRECISION, UPCAST_TO_FP32, True,
                     "none", 1, 1, False, "none", "none", BLOCK_M, BLOCK_N, BLOCK_K,

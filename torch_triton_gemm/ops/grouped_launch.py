@@ -320,9 +320,12 @@ class GroupedRouting(NamedTuple):
     """Rows of a 2-D a x 3-D b product gathered through an int32 index (tgemm::moe_mlp): the
     kernel's rows are ``slots`` token slots sorted by expert, and slot s reads a's row
     ``rows[s]``. ``gate``: an activation name for a gated product (b holds 2N columns, out N:
-    act(first half) * second half), or "none"."""
+    act(first half) * second half), or "none"; ``keep_pre``: a gated launch also stores both
+    halves before the activation into a contiguous [slots, 2N] buffer (``run_grouped_launch``'s
+    ``pre``)."""
     slots: int | torch.SymInt
     gate: str = "none"
+    keep_pre: bool = False
 
 
 _NOT_ROUTED = ("none", "none")
@@ -378,7 +381,8 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
         tma, flags["A_M_CONTIGUOUS"], flags["B_K_CONTIGUOUS"],
         c_tma, tuning.epilogue_subtile(tile) if c_tma else 1,
         input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
-        _needs_int64_indexing(a, b, out),
+        _needs_int64_indexing(a, b, out) or (routing is not None and routing.keep_pre
+                                             and 2 * M * N > _INT32_LIMIT),
         *(_NOT_ROUTED if routing is None else ("gather", routing.gate)),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
@@ -391,18 +395,22 @@ def run_grouped_launch(launch: GroupedLaunch, a: torch.Tensor, b: torch.Tensor,
                        offs: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
                        traceable: bool, scale_a: torch.Tensor | None = None,
                        scale_b: torch.Tensor | None = None,
-                       rows: torch.Tensor | None = None) -> None:
+                       rows: torch.Tensor | None = None,
+                       pre: torch.Tensor | None = None) -> None:
     """Launch a prepared grouped launch on these tensors (with the scales, or the routing
-    index, it was prepared for). ``traceable=False`` launches the Triton kernel
-    directly instead of through ``wrap_triton``, for plain eager calls that nothing traces."""
+    index and the buffer of kept pre-activations, it was prepared for). ``traceable=False``
+    launches the Triton kernel directly instead of through ``wrap_triton``, for plain eager
+    calls that nothing traces."""
     if launch.tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
     if offs is not None:
         # The kernels read offs[g] at offs_ptr + g: a strided or expanded offs (a view, as
         # torch._grouped_mm accepts) is read as its contiguous copy (itself when contiguous).
         offs = offs.contiguous()
-    launch_kernel(launch.kernel or grouped_mm_kernel, launch.grid,
-                  (a, b, out, bias, offs, scale_a, scale_b, rows, *launch.args),
+    tensors = (a, b, out, bias, offs, scale_a, scale_b, rows)
+    if launch.kernel is None:  # grouped_mm_kernel (Hopper's precise fp8 kernel keeps nothing)
+        tensors += (pre,)
+    launch_kernel(launch.kernel or grouped_mm_kernel, launch.grid, (*tensors, *launch.args),
                   launch.meta, traceable, launch.compiled)
 
 

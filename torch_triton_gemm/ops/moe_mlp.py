@@ -27,15 +27,15 @@ Contract:
   1.06x slower on an H100: scattered rows store through pointers.)
 
 Training: calls of ``moe_mlp`` that need gradients run two ops, tgemm::moe_gate_up (the
-first launch, storing the gate/up pre-activations [T * k, 2I] in x's dtype) and tgemm::moe_down
-(an elementwise kernel gives act(gate) * up, then the second launch and the combine), so that
-the backward reads the pre-activations instead of running the first launch again (a third of
-the forward's FLOPs), and autograd frees them once the down half's backward has used them,
-before the gate/up half's allocates w13's gradient. Each returns its routing (order, token
-rows, offs) beside its output, which its backward reuses. The output differs from the no-grad
-launch's by the pre-activations' rounding only. Called as an op with gradients, tgemm::moe_mlp
-keeps only its inputs and its backward recomputes the pre-activations (the gather launch
-without the gated epilogue), to the same bits.
+first launch, its gated epilogue also storing the gate/up pre-activations [T * k, 2I] in x's
+dtype) and tgemm::moe_down (the second launch and the combine on act(gate) * up), so that the
+backward reads the pre-activations instead of running the first launch again (a third of the
+forward's FLOPs), and autograd frees them once the down half's backward has used them, before
+the gate/up half's allocates w13's gradient; act(gate) * up is freed after the forward (the
+backward differentiates through the pre-activations). Each returns its routing (order, token
+rows, offs) beside its output, which its backward reuses. The output is the no-grad call's, to
+the bit. Called as an op with gradients, tgemm::moe_mlp keeps only its inputs and its backward
+recomputes the pre-activations (tgemm::moe_gate_up's launch), to the same bits.
 
 Backward: grad_out's rows are gathered
 inside the launch that multiplies them by w2; one elementwise kernel (kernels/glu.py) then
@@ -235,19 +235,21 @@ def _moe_routed_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
 
 def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor,
                   row_weights: torch.Tensor | None, out: torch.Tensor, route: str, gate: str,
-                  zero_tail: bool, traceable: bool) -> None:
+                  zero_tail: bool, traceable: bool, pre: torch.Tensor | None = None) -> None:
     """Write the routed product into ``out`` (checked inputs); e is slot s's group in offs.
 
     "gather": out[s] = gate(a[rows[s]] @ b[e]), one launch; zero_tail writes zeros for the
-    slots past offs[-1]. "combine": rows [T, k] holds each token slot's sorted position p, and
-    out[t] = sum_j row_weights[t, j] * (a[p] @ b[e]) (weights 1 without row_weights), the slots
-    past offs[-1] adding nothing: the plain grouped launch into a [S, N] buffer (whole tiles
-    stored through TMA where it can), then kernels/combine.py."""
+    slots past offs[-1]. A gated launch given ``pre`` (contiguous [S, 2N]) also stores
+    a[rows[s]] @ b[e] there, before the activation. "combine": rows [T, k] holds each token
+    slot's sorted position p, and out[t] = sum_j row_weights[t, j] * (a[p] @ b[e]) (weights 1
+    without row_weights), the slots past offs[-1] adding nothing: the plain grouped launch
+    into a [S, N] buffer (whole tiles stored through TMA where it can), then
+    kernels/combine.py."""
     if route == "gather":
         launch = _grouped_launch(a, b, offs, out, zero_tail,
-                                 GroupedRouting(rows.shape[0], gate), traceable)
+                                 GroupedRouting(rows.shape[0], gate, pre is not None), traceable)
         if launch is not None:
-            run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows)
+            run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows, pre=pre)
         return
     tokens, top_k = rows.shape
     if out.numel() == 0:
@@ -435,33 +437,48 @@ def _routing_fakes(x: torch.Tensor, topk_ids: torch.Tensor,
     return x.new_empty(slots, **index), x.new_empty(slots, **index), x.new_empty(experts, **index)
 
 
-def _moe_gate_up_fake(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+_GateUp = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _check_gate_up_op(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str) -> None:
     _check_gate_up(x, w13, topk_ids)
-    return (x.new_empty(topk_ids.numel(), w13.shape[1]),
+    check_value(activation in ACTIVATIONS,
+                lambda: f"{GATE_UP_OP}: activation must be one of {ACTIVATIONS}, got "
+                         f"{activation!r}")
+
+
+def _moe_gate_up_fake(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str = "silu") -> _GateUp:
+    _check_gate_up_op(x, w13, topk_ids, activation)
+    slots, width = topk_ids.numel(), w13.shape[1]
+    return (x.new_empty(slots, width), x.new_empty(slots, width // 2),
             *_routing_fakes(x, topk_ids, w13.shape[0]))
 
 
-def _moe_gate_up_impl(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_gate_up(x, w13, topk_ids, True)
+def _moe_gate_up_impl(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+                      activation: str = "silu") -> _GateUp:
+    return _moe_gate_up(x, w13, topk_ids, activation, True)
 
 
-def _moe_gate_up_eager(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_gate_up(x, w13, topk_ids, False)
+def _moe_gate_up_eager(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
+                       activation: str = "silu") -> _GateUp:
+    return _moe_gate_up(x, w13, topk_ids, activation, False)
 
 
-def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, traceable: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the sorted slots' gate/up pre-activations [T * k, 2I], zeros for slots of no expert;
-    order, token rows, offs): the first launch, storing the pre-activations."""
-    _check_gate_up(x, w13, topk_ids)
+def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                 traceable: bool) -> _GateUp:
+    """(the sorted slots' gate/up pre-activations [T * k, 2I] and act(gate) * up [T * k, I],
+    zeros for slots of no expert; order, token rows, offs): the first launch, its gated
+    epilogue storing the pre-activations beside its output (tgemm::moe_down's backward reads
+    them; act(gate) * up carries no gradient of its own)."""
+    _check_gate_up_op(x, w13, topk_ids, activation)
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
-    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, pre, "gather", "none", True,
-                  traceable)
-    return pre, order, token_rows, offs
+    h = x.new_empty(order.shape[0], w13.shape[1] // 2)
+    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
+                  True, traceable, pre=pre)
+    return pre, h, order, token_rows, offs
 
 
 moe_gate_up_op = define_triton_op(GATE_UP_OP, _moe_gate_up_impl, _moe_gate_up_fake,
@@ -469,7 +486,8 @@ moe_gate_up_op = define_triton_op(GATE_UP_OP, _moe_gate_up_impl, _moe_gate_up_fa
 
 
 def _check_down_op(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor, activation: str) -> None:
+                   topk_weights: torch.Tensor, activation: str,
+                   h: torch.Tensor | None) -> None:
     check(pre.dim() == 2 and pre.shape[0] == topk_ids.numel() and pre.shape[1] % 2 == 0,
           lambda: f"{DOWN_OP}: pre must be [T * k, 2I] = [{topk_ids.numel()}, 2I], got "
                    f"{tuple(pre.shape)}")
@@ -482,37 +500,49 @@ def _check_down_op(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
     check(w2.dim() == 3, lambda: f"{DOWN_OP}: w2 must be 3-D [E, H, I], got {tuple(w2.shape)}")
     _check_down(w2, w2.shape[0], w2.shape[1], pre.shape[1] // 2, pre, topk_ids, topk_weights,
                 activation)
+    if h is not None:
+        check(h.dim() == 2 and tuple(h.shape) == (pre.shape[0], pre.shape[1] // 2)
+              and h.dtype == pre.dtype and h.device == pre.device,
+              lambda: f"{DOWN_OP}: h must be act(gate) * up of pre, [T * k, I] = "
+                       f"{(pre.shape[0], pre.shape[1] // 2)} with pre's dtype and device; got "
+                       f"{h.dtype} {tuple(h.shape)} on {h.device}")
 
 
 def _moe_down_fake(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor, activation: str = "silu"
+                   topk_weights: torch.Tensor, activation: str = "silu",
+                   h: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_down_op(pre, w2, topk_ids, topk_weights, activation)
+    _check_down_op(pre, w2, topk_ids, topk_weights, activation, h)
     return (pre.new_empty(topk_ids.shape[0], w2.shape[1]),
             *_routing_fakes(pre, topk_ids, w2.shape[0]))
 
 
 def _moe_down_impl(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                   topk_weights: torch.Tensor, activation: str = "silu"
+                   topk_weights: torch.Tensor, activation: str = "silu",
+                   h: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_down(pre, w2, topk_ids, topk_weights, activation, True)
+    return _moe_down(pre, w2, topk_ids, topk_weights, activation, h, True)
 
 
 def _moe_down_eager(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor, activation: str = "silu"
+                    topk_weights: torch.Tensor, activation: str = "silu",
+                    h: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_down(pre, w2, topk_ids, topk_weights, activation, False)
+    return _moe_down(pre, w2, topk_ids, topk_weights, activation, h, False)
 
 
 def _moe_down(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, activation: str, traceable: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [T, H]; order, token rows, offs): act(gate) * up of the pre-activations (an
-    elementwise kernel), then the second launch and the combine."""
-    _check_down_op(pre, w2, topk_ids, topk_weights, activation)
+              topk_weights: torch.Tensor, activation: str, h: torch.Tensor | None,
+              traceable: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [T, H]; order, token rows, offs): the second launch and the combine on
+    act(gate) * up, ``h`` where the caller has it (tgemm::moe_gate_up's), else from the
+    pre-activations by an elementwise kernel. The backward differentiates through ``pre``
+    alone: ``h`` must be act(gate) * up of it."""
+    _check_down_op(pre, w2, topk_ids, topk_weights, activation, h)
     order, token_rows, offs = route(topk_ids, w2.shape[0])
-    out = _down_and_combine(glu_forward(pre, activation, traceable), w2, offs, order,
-                            topk_weights, traceable)
+    if h is None:
+        h = glu_forward(pre, activation, traceable)
+    out = _down_and_combine(h, w2, offs, order, topk_weights, traceable)
     return out, order, token_rows, offs
 
 
@@ -530,12 +560,13 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
     """tgemm::moe_mlp's backward: both halves' gradients, recomputing the pre-activations
-    (the gather launch without the gated epilogue), freed once the down half has used them."""
+    (tgemm::moe_gate_up's launch, so that they are the training path's bits), freed once the
+    down half has used them."""
     x, w13, w2, topk_ids, topk_weights = ctx.saved_tensors
     need_x, need_w13, need_w2, _, need_weights = ctx.needs_input_grad[:5]
-    order, token_rows, offs = route(topk_ids, w13.shape[0])
-    routed = torch.ops.tgemm.moe_routed_mm
-    pre = routed(x, w13.transpose(-2, -1), offs, token_rows, None, "gather", "none", True)
+    gate_up = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids, ctx.activation)
+    pre, (order, token_rows, offs) = gate_up[0], gate_up[2:]
+    del gate_up  # act(gate) * up: the backward does not read it
     grad_pre, grad_w2, grad_weights = _down_gradients(
         grad_out, pre, w2, topk_weights, order, token_rows, offs, ctx.activation, need_w2,
         need_weights)
@@ -546,26 +577,29 @@ def _backward(ctx, grad_out: torch.Tensor):  # type: ignore[no-untyped-def]
 
 
 def _setup_gate_up_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, w13, topk_ids = inputs
-    _, order, token_rows, offs = output
+    x, w13, topk_ids, _ = inputs
+    _, h, order, token_rows, offs = output
     ctx.top_k = topk_ids.shape[1]
     ctx.save_for_backward(x, w13, order, token_rows, offs)
-    ctx.set_materialize_grads(False)  # the routing outputs have no gradient
+    # act(gate) * up is the pre-activations' function: gradients reach it through them
+    # (tgemm::moe_down's backward), and the routing outputs have none.
+    ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)
 
 
 def _backward_gate_up(ctx, grad_pre: torch.Tensor | None,  # type: ignore[no-untyped-def]
-                      *_routing_grads: object):
+                      *_other_grads: object):
     x, w13, order, token_rows, offs = ctx.saved_tensors
     if grad_pre is None:
-        return None, None, None
+        return None, None, None, None
     need_x, need_w13 = ctx.needs_input_grad[:2]
     grad_x, grad_w13 = _gate_up_gradients(grad_pre, x, w13, order, token_rows, offs, ctx.top_k,
                                           need_x, need_w13)
-    return grad_x, grad_w13, None
+    return grad_x, grad_w13, None, None
 
 
 def _setup_down_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    pre, w2, topk_ids, topk_weights, activation = inputs
+    pre, w2, topk_ids, topk_weights, activation, _ = inputs
     _, order, token_rows, offs = output
     ctx.activation = activation
     ctx.save_for_backward(pre, w2, topk_weights, order, token_rows, offs)
@@ -576,12 +610,12 @@ def _backward_down(ctx, grad_out: torch.Tensor | None,  # type: ignore[no-untype
                    *_routing_grads: object):
     pre, w2, topk_weights, order, token_rows, offs = ctx.saved_tensors
     if grad_out is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     need_pre, need_w2, _, need_weights = ctx.needs_input_grad[:4]
     grad_pre, grad_w2, grad_weights = _down_gradients(
         grad_out, pre, w2, topk_weights, order, token_rows, offs, ctx.activation, need_w2,
         need_weights)
-    return grad_pre if need_pre else None, grad_w2, None, grad_weights, None
+    return grad_pre if need_pre else None, grad_w2, None, grad_weights, None, None
 
 
 def _down_gradients(grad_out: torch.Tensor, pre: torch.Tensor, w2: torch.Tensor,
@@ -669,8 +703,8 @@ def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
             check_ids_in_range(topk_ids, w13.shape[0])
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
             # Training: keep the pre-activations for the backward rather than recompute them.
-            pre = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids)[0]
-            return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation)[0]
+            pre, h = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids, activation)[:2]
+            return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation, h)[0]
         return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
     except (AttributeError, TypeError, RuntimeError):
         explain_bad_arguments(moe_mlp_op, (x, w13, w2, topk_ids, topk_weights, activation))
