@@ -229,6 +229,30 @@ def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32, 
     assert len(keys) == counts[3]
 
 
+def test_training_step_routes_once(device, highest_fp32, monkeypatch):
+    """An eager training step routes its ids once: tgemm::moe_down reuses tgemm::moe_gate_up's
+    routing inside moe_mlp's call, and only for that very ids tensor (moe_down called on its
+    own, or on other ids, routes); the backward reuses the ops' saved routing."""
+    real = moe_module.route
+    calls = []
+    monkeypatch.setattr(moe_module, "route", lambda *a: calls.append(a) or real(*a))
+    s = make_sample(device, torch.float16, tokens=12)
+    x, w13, w2, weights = _leaves(s)
+    out = tg.moe_mlp(x, w13, w2, s.ids, weights)
+    assert len(calls) == 1
+    grads = torch.autograd.grad(out, (x, w13, w2, weights), torch.ones_like(out))
+    assert len(calls) == 1
+    ref = reference(*s.args())
+    assert rel_error(out, ref) <= tolerance(torch.float16, torch.float16)
+    assert all(torch.isfinite(g).all() for g in grads)
+    pre, h, *routing = torch.ops.tgemm.moe_gate_up(x, w13, s.ids)
+    with moe_module._handing_routing(s.ids, E, tuple(routing)):
+        torch.ops.tgemm.moe_down(pre, w2, s.ids.clone(), weights, "silu", h)
+    assert len(calls) == 3  # gate_up's own, and moe_down's for other ids
+    torch.ops.tgemm.moe_down(pre, w2, s.ids, weights, "silu", h)
+    assert len(calls) == 4
+
+
 def test_routed_launches_write_only_their_rows(device, highest_fp32):
     """Into NaN-poisoned outputs: the gathering launch writes the slots inside offs (the rest
     keep their poison); the combining one writes every token's row, a slot of no expert adding

@@ -54,6 +54,10 @@ tgemm::moe_down) and fakes, autograd, public API.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
 from .. import device as _device
@@ -174,12 +178,43 @@ def route(topk_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Ten
     # The narrowest key that holds every expert and the one past them: a radix sort's passes
     # go by key width (H100, 8 192 slots: int16 keys route in 49 us, int64 ones in 97).
     key_dtype = torch.int16 if experts < torch.iinfo(torch.int16).max else torch.int32
-    key = torch.where((flat >= 0) & (flat < experts), flat, experts).to(key_dtype)
+    # Ids outside [0, E) become E: clamped into [-1, E], then -1 wraps to E. (Each torch op
+    # here is a launch and several microseconds of host time: as few as give the same keys.)
+    key = flat.clamp(-1, experts).remainder(experts + 1).to(key_dtype)
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(experts, device=flat.device, dtype=key_dtype)
-    offs = torch.searchsorted(sorted_key, bounds, right=True).to(torch.int32)
-    tokens = torch.div(order, topk_ids.shape[1], rounding_mode="floor").to(torch.int32)
-    return order.to(torch.int32), tokens, offs
+    offs = torch.searchsorted(sorted_key, bounds, right=True, out_int32=True)
+    order = order.to(torch.int32)
+    tokens = torch.div(order, topk_ids.shape[1], rounding_mode="floor")
+    return order, tokens, offs
+
+
+# moe_mlp's training path runs two ops that each route the same ids. Its eager calls hand
+# tgemm::moe_gate_up's routing to the tgemm::moe_down call right after it (about ten launches
+# fewer a step): only inside that call, where nothing can change the ids in between, and only
+# for the very ids tensor it was computed from. Traced calls always route.
+_HANDED = threading.local()
+
+
+@contextlib.contextmanager
+def _handing_routing(topk_ids: torch.Tensor, experts: int,
+                     routing: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    _HANDED.routing = (topk_ids, experts, routing)
+    try:
+        yield
+    finally:
+        _HANDED.routing = None
+
+
+def _route_or_handed(topk_ids: torch.Tensor, experts: int, traceable: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``route``'s result, from the routing handed over for these ids where an eager call has
+    one (see ``_handing_routing``)."""
+    handed = getattr(_HANDED, "routing", None)
+    if not traceable and handed is not None and handed[0] is topk_ids and handed[1] == experts:
+        order, tokens, offs = handed[2]
+        return order, tokens, offs
+    return route(topk_ids, experts)
 
 
 # --- the routed grouped product -----------------------------------------------------------------
@@ -539,7 +574,7 @@ def _moe_down(pre: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
     pre-activations by an elementwise kernel. The backward differentiates through ``pre``
     alone: ``h`` must be act(gate) * up of it."""
     _check_down_op(pre, w2, topk_ids, topk_weights, activation, h)
-    order, token_rows, offs = route(topk_ids, w2.shape[0])
+    order, token_rows, offs = _route_or_handed(topk_ids, w2.shape[0], traceable)
     if h is None:
         h = glu_forward(pre, activation, traceable)
     out = _down_and_combine(h, w2, offs, order, topk_weights, traceable)
@@ -703,8 +738,12 @@ def moe_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
             check_ids_in_range(topk_ids, w13.shape[0])
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, topk_weights)):
             # Training: keep the pre-activations for the backward rather than recompute them.
-            pre, h = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids, activation)[:2]
-            return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation, h)[0]
+            pre, h, *routing = torch.ops.tgemm.moe_gate_up(x, w13, topk_ids, activation)
+            handing = (contextlib.nullcontext() if torch.compiler.is_compiling() else
+                       _handing_routing(topk_ids, w13.shape[0], tuple(routing)))
+            with handing:
+                return torch.ops.tgemm.moe_down(pre, w2, topk_ids, topk_weights, activation,
+                                                h)[0]
         return torch.ops.tgemm.moe_mlp(x, w13, w2, topk_ids, topk_weights, activation)
     except (AttributeError, TypeError, RuntimeError):
         explain_bad_arguments(moe_mlp_op, (x, w13, w2, topk_ids, topk_weights, activation))
