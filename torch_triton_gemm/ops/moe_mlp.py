@@ -198,7 +198,10 @@ _HANDED = threading.local()
 
 @contextlib.contextmanager
 def _handing_routing(topk_ids: torch.Tensor, experts: int,
-                     routing: tuple[torch.Tensor, ...]) -> Iterator[None]:
+                     routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                     ) -> Iterator[None]:
+    """Within the block, eager tgemm::moe_down calls on ``topk_ids`` itself (and ``experts``)
+    take ``routing`` (tgemm::moe_gate_up's) instead of routing again."""
     _HANDED.routing = (topk_ids, experts, routing)
     try:
         yield
@@ -212,8 +215,7 @@ def _route_or_handed(topk_ids: torch.Tensor, experts: int, traceable: bool
     one (see ``_handing_routing``)."""
     handed = getattr(_HANDED, "routing", None)
     if not traceable and handed is not None and handed[0] is topk_ids and handed[1] == experts:
-        order, tokens, offs = handed[2]
-        return order, tokens, offs
+        return handed[2]
     return route(topk_ids, experts)
 
 
