@@ -1261,6 +1261,59 @@ def test_plan_sweep_trailing_keeps_the_cases_below_the_ratio(tmp_path):
     assert plans.trailing_cases(str(path), 0.5) == set()
 
 
+def test_plan_picks_on_any_host_are_the_plan_models_and_find_what_a_change_moves(
+        tmp_path, monkeypatch):
+    """bench.picks answers as the planner would on an H100 (TMA plans among its picks, each
+    the plan model's for the case's view), leaves this process's device queries as they were,
+    and --against lists exactly the cases whose pick a change to the constants moved, which
+    bench.plans --cases then selects."""
+    from torch_triton_gemm import device as tgemm_device
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks, plans
+
+    queries = (tgemm_device.num_sms, tgemm_device.shared_memory_per_block,
+               tgemm_device.supports_tma)
+    before, after, moved = (str(tmp_path / f"{n}.csv") for n in ("before", "after", "moved"))
+    argv = ["--seed", "5", "--count", "40"]
+    assert picks.main([*argv, "--csv", before]) == 0
+    assert (tgemm_device.num_sms, tgemm_device.shared_memory_per_block,
+            tgemm_device.supports_tma) == queries
+    with open(before, newline="") as file:
+        rows = list(csv.DictReader(file))
+    cases = suites.sweep_cases(5, 40)
+    assert len(rows) == 2 * len(cases) and {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    assert any(r["plan"].startswith("tma:") for r in rows)
+    for row in rows[::7]:
+        m, n, k = int(row["M"]), int(row["N"]), int(row["K"])
+        mcol = row["a_layout"] == "col" and m > 1
+        with picks.h100():
+            plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, row["aligned"] == "True",
+                                            row["narrow"] == "True", mcol)
+        assert row["plan"] == picks.plan_name(plan), row
+    # The same planner moves nothing; TMA launches 20 us dearer move some picks.
+    assert picks.main([*argv, "--csv", moved, "--against", before]) == 0
+    with open(moved, newline="") as file:
+        assert list(csv.DictReader(file)) == []
+    costs = plan_model.H100_COSTS
+    monkeypatch.setattr(plan_model, "H100_COSTS", dataclasses.replace(costs, tiles={
+        key: dataclasses.replace(cost, launch_us=cost.launch_us + 20 * (key[0] == "tma"))
+        for key, cost in costs.tiles.items()}))
+    assert picks.main([*argv, "--csv", after]) == 0
+    assert picks.main([*argv, "--csv", moved, "--against", before]) == 0
+    with open(after, newline="") as file:
+        now = {(r["name"], r["a_layout"], r["b_layout"], r["dtype"]): r["plan"]
+               for r in csv.DictReader(file)}
+    with open(moved, newline="") as file:
+        changes = list(csv.DictReader(file))
+    earlier = {(r["name"], r["a_layout"], r["b_layout"], r["dtype"]): r["plan"] for r in rows}
+    expected = {key for key in earlier if earlier[key] != now[key]}
+    assert expected and {(r["name"], r["a_layout"], r["b_layout"], r["dtype"])
+                          for r in changes} == expected
+    assert all(r["plan_before"].startswith("tma:") and r["plan"] != r["plan_before"]
+               for r in changes)
+    assert plans.listed_cases(moved) == {(key[0], key[3]) for key in expected}
+
+
 def test_plan_sweep_wide_space_adds_plans_the_planners_rules_leave_out(monkeypatch):
     from torch_triton_gemm import device as tgemm_device
     from torch_triton_gemm.bench import plans

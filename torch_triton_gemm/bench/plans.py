@@ -364,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only the cases (and dtypes) whose rows in CSV, an earlier run's "
                              "(--chosen-only), ran below --below of cuBLAS: time every plan "
                              "where the planner's pick trailed")
+    parser.add_argument("--cases", default=None, metavar="CSV",
+                        help="only the cases (and dtypes) of CSV's rows (its name and dtype "
+                             "columns: python -m torch_triton_gemm.bench.picks --against writes "
+                             "the cases a planner change moves)")
     parser.add_argument("--below", type=float, default=0.8, metavar="R",
                         help="with --trailing: the ratio to cuBLAS under which a case is kept")
     parser.add_argument("--wide-space", action="store_true",
@@ -404,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # fp8 products take their dtype from their recipe: once, whatever --dtypes says.
     dtypes = args.dtypes.split(",")
     wanted = None if args.trailing is None else trailing_cases(args.trailing, args.below)
+    if args.cases is not None:
+        listed = listed_cases(args.cases)
+        wanted = listed if wanted is None else wanted & listed
     jobs = [(case, dtype, *case_plans(case, dtype, args.wide_space)) for case in cases
             for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)
             if wanted is None or (case.name, dtype) in wanted]
@@ -469,6 +476,12 @@ def trailing_cases(path: str, below: float) -> set[tuple[str, str]]:
     with open(path, newline="") as file:
         return {(row["name"], row["dtype"]) for row in csv.DictReader(file)
                 if row.get("ratio") and float(row["ratio"]) < below}
+
+
+def listed_cases(path: str) -> set[tuple[str, str]]:
+    """(case name, dtype) of every row of the CSV at ``path``."""
+    with open(path, newline="") as file:
+        return {(row["name"], row["dtype"]) for row in csv.DictReader(file)}
 
 
 def faster_rows(first: Sequence[dict[str, object]],

@@ -38,12 +38,43 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
         if plan is not None:
             return plan
     tma_args, pads, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
-    # TMA reads the operands as they are when it needs no padded copies (where the GPU has no
-    # TMA, the plan model offers no TMA plans and this is not asked).
-    aligned = tma_args is not None and pads == (None, None)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
-                 (aligned, _narrow(a, b), a.stride(0) == 1 and a.stride(1) != 1 and M > 1))
+                 _model_view(a, b, tma_args, pads))
+
+
+def modelled_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.MMPlan | None:
+    """The plan model's plan for a 16-bit product with these operands (known sizes), as
+    ``plan_mm`` picks it on a GPU where no plan is forced or tuned; None where no plan of the
+    space fits. The device's numbers come from ``device``'s queries, so a benchmark can
+    ask what the planner would pick on a GPU it is not running on (bench/picks.py)."""
+    (M, K), N = a.shape, b.shape[1]
+    return _modelled(M, N, K, out.element_size(), a.device, model_view(a, b, out))
+
+
+def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[bool, bool, bool]:
+    """How the plan model sees these operands (known sizes): whether TMA reads them as they
+    are (no padded copies), whether a pitch is not a multiple of 16 elements, and whether A's
+    columns are contiguous."""
+    tma_args, pads, _ = kernel_operands(a, b, out)
+    return _model_view(a, b, tma_args, pads)
+
+
+def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
+              view: tuple[bool, bool, bool]) -> tuning.MMPlan | None:
+    # The plan model weighs copying operands TMA cannot describe as they are.
+    return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
+                                    _device.num_sms(device), *view)
+
+
+def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
+                ) -> tuple[bool, bool, bool]:
+    """How the plan model sees the operands (``_plan``'s ``view``): TMA reads them as they are
+    (it needs no padded copies; where the GPU has no TMA, the plan model offers no TMA plans
+    and this is not asked), a pitch is not a multiple of 16 elements, A's columns are
+    contiguous."""
+    aligned = tma_args is not None and pads == (None, None)
+    return aligned, _narrow(a, b), a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1
 
 
 def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -123,9 +154,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
                 return tuned
     if plan is None and view is not None and device.type == "cuda" and scales is None and (
             a.element_size() == 2):
-        # The plan model weighs copying operands TMA cannot describe as they are.
-        plan = plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
-                                        num_sms(device), *view)
+        plan = _modelled(M, N, K, out_size, device, view)
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),

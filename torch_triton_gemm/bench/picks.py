@@ -1,0 +1,133 @@
+"""The plans tgemm::mm's plan model picks for benchmark cases on an H100, computed on any host
+(no GPU: the operands are meta tensors with the cases' sizes and strides): which cases a change
+to the plan model or its space moves, so that a GPU run times those cases alone.
+
+    python -m torch_triton_gemm.bench.picks --seed 8 --count 400 --csv before.csv
+    (change the planner)
+    python -m torch_triton_gemm.bench.picks --seed 8 --count 400 --csv changed.csv \\
+        --against before.csv
+    python -m torch_triton_gemm.bench.plans --chosen-only --suites sweep --seed 8 \\
+        --count 400 --cases changed.csv --csv after-timed.csv      (on the GPU)
+
+One CSV row per (case, dtype): the case, how the plan model sees its operands (``aligned``:
+TMA reads them as they are; ``narrow``: a pitch is not a multiple of 16 elements) and the
+plan (``plan``; ``none`` where no plan of the space fits and the heuristic plans). With
+``--against``, only the rows whose plan differs from that file's, with its plan beside.
+16-bit products only (the plan model's); tuned plans are not consulted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import sys
+from collections.abc import Iterator, Sequence
+from unittest import mock
+
+import torch
+
+from .. import device as _device
+from .. import tuning
+from ..ops.planner import model_view, modelled_mm_plan
+from . import suites
+from .gemm import DTYPES, make_operands
+from .suites import Case
+
+# The GPU the picks are made for: what the planner reads of it.
+H100_NUM_SMS = 132
+H100_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
+
+FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "narrow", "plan")
+
+
+def plan_name(plan: tuning.MMPlan | None) -> str:
+    """A plan as one compact field: kernel, tile (BMxBNxBK, warps, stages), K splits (T: the
+    partial wave's only, F: finishing their own tiles), stream-K, padded copies."""
+    if plan is None:
+        return "none"
+    t = plan.tile
+    name = (f"{plan.kernel}:{t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
+            f":sk{plan.split_k}{'T' if plan.split_tail else ''}"
+            f"{'F' if plan.split_fixup else ''}")
+    if plan.stream_k:
+        name += f":streamk{plan.stream_k}"
+    return name + (":pad" if plan.pad else "")
+
+
+@contextlib.contextmanager
+def h100() -> Iterator[None]:
+    """The device queries the planner makes answered with an H100's numbers, whatever the
+    device (this process only)."""
+    with mock.patch.object(_device, "num_sms", lambda device: H100_NUM_SMS), \
+            mock.patch.object(_device, "shared_memory_per_block",
+                              lambda index: H100_SHARED_MEMORY), \
+            mock.patch.object(_device, "supports_tma", lambda device: True):
+        yield
+
+
+def picks(cases: Sequence[Case], dtypes: Sequence[str]) -> list[dict[str, object]]:
+    """The plan model's pick for each case and dtype on an H100 (see the module docstring)."""
+    rows = []
+    meta = torch.device("meta")
+    with h100():
+        for case in cases:
+            for dtype in dtypes:
+                a, b = make_operands(case, DTYPES[dtype], meta)
+                out = torch.empty((case.m, case.n), dtype=a.dtype, device=meta)
+                aligned, narrow, _ = model_view(a, b, out)
+                rows.append({
+                    "name": case.name, "a_layout": case.a_layout, "b_layout": case.b_layout,
+                    "dtype": dtype, "M": case.m, "N": case.n, "K": case.k,
+                    "aligned": aligned, "narrow": narrow,
+                    "plan": plan_name(modelled_mm_plan(a, b, out))})
+    return rows
+
+
+def changed(rows: Sequence[dict[str, object]], before: Sequence[dict[str, str]]
+            ) -> list[dict[str, object]]:
+    """The rows whose plan differs from ``before``'s row of the same case and dtype, with
+    before's plan as ``plan_before`` (cases ``before`` lacks are left out)."""
+    earlier = {(r["name"], r["a_layout"], r["b_layout"], r["dtype"]): r["plan"] for r in before}
+    out = []
+    for row in rows:
+        plan = earlier.get((row["name"], row["a_layout"], row["b_layout"], row["dtype"]))
+        if plan is not None and plan != row["plan"]:
+            out.append({**row, "plan_before": plan})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.picks",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=suites.SWEEP_SEED)
+    parser.add_argument("--count", type=int, default=suites.SWEEP_COUNT)
+    parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16, fp16")
+    parser.add_argument("--csv", required=True)
+    parser.add_argument("--against", default=None, metavar="CSV",
+                        help="an earlier run's CSV: write only the cases whose plan changed")
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("bf16", "fp16")]
+    if bad:
+        parser.error(f"--dtypes: bf16 or fp16, not {', '.join(bad)}")
+    rows = picks(suites.sweep_cases(args.seed, args.count), dtypes)
+    fields = list(FIELDS)
+    if args.against is not None:
+        try:
+            with open(args.against, newline="") as file:
+                before = list(csv.DictReader(file))
+        except OSError as error:
+            parser.error(str(error))
+        rows = changed(rows, before)
+        fields.append("plan_before")
+    with open(args.csv, "w", newline="") as file:
+        writer = csv.DictWriter(file, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"{len(rows)} rows written to {args.csv}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
