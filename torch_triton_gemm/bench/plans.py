@@ -360,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "a-row, a-col (x.t()), b-col (W.t()), b-row)")
     parser.add_argument("--kernels", default=None,
                         help="only plans of these kernels (comma-separated: portable, tma)")
+    parser.add_argument("--split-ks", default=None, metavar="S",
+                        help="only plans splitting K into one of these counts (comma-separated: "
+                             "1 for unsplit plans, which is what a refit of a kernel's step and "
+                             "tile costs needs)")
     parser.add_argument("--trailing", default=None, metavar="CSV",
                         help="only the cases (and dtypes) whose rows in CSV, an earlier run's "
                              "(--chosen-only), ran below --below of cuBLAS: time every plan "
@@ -426,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kernels is not None:
         kernels = set(args.kernels.split(","))
         jobs = [(c, d, aligned, [p for p in plans if p.kernel in kernels])
+                for c, d, aligned, plans in jobs]
+    if args.split_ks is not None:
+        splits = {int(s) for s in args.split_ks.split(",")}
+        jobs = [(c, d, aligned, [p for p in plans if p.split_k in splits])
                 for c, d, aligned, plans in jobs]
     if args.no_stream_k:
         jobs = [(c, d, aligned, [p for p in plans if not p.stream_k])
