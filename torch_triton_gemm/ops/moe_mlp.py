@@ -277,16 +277,20 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
 
     "gather": out[s] = gate(a[rows[s]] @ b[e]), one launch; zero_tail writes zeros for the
     slots past offs[-1]. A gated launch given ``pre`` (contiguous [S, 2N]) also stores
-    a[rows[s]] @ b[e] there, before the activation. "combine": rows [T, k] holds each token
+    a[rows[s]] @ b[e] there, before the activation. "slots": the same with a's rows in slot
+    order already (out[s] = gate(a[s] @ b[e]); rows is not read), loaded through TMA where
+    the GPU has it. "combine": rows [T, k] holds each token
     slot's sorted position p, and out[t] = sum_j row_weights[t, j] * (a[p] @ b[e]) (weights 1
     without row_weights), the slots past offs[-1] adding nothing: the plain grouped launch
     into a [S, N] buffer (whole tiles stored through TMA where it can), then
     kernels/combine.py."""
-    if route == "gather":
-        launch = _grouped_launch(a, b, offs, out, zero_tail,
-                                 GroupedRouting(rows.shape[0], gate, pre is not None), traceable)
+    if route in ("gather", "slots"):
+        gathered = route == "gather"
+        routing = GroupedRouting(out.shape[0], gate, pre is not None, gathered)
+        launch = _grouped_launch(a, b, offs, out, zero_tail, routing, traceable)
         if launch is not None:
-            run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows, pre=pre)
+            run_grouped_launch(launch, a, b, offs, None, out, traceable,
+                               rows=rows if gathered else None, pre=pre)
         return
     tokens, top_k = rows.shape
     if out.numel() == 0:
@@ -513,8 +517,12 @@ def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, act
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
     h = x.new_empty(order.shape[0], w13.shape[1] // 2)
-    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
-                  True, traceable, pre=pre)
+    if tuning.MOE_GATE_UP_COPIES_ROWS:
+        launch_routed(x.index_select(0, token_rows), w13.transpose(-2, -1), offs, token_rows,
+                      None, h, "slots", activation, True, traceable, pre=pre)
+    else:
+        launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather",
+                      activation, True, traceable, pre=pre)
     return pre, h, order, token_rows, offs
 
 
