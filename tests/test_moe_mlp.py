@@ -83,6 +83,20 @@ def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
+def _record_calls(monkeypatch: pytest.MonkeyPatch, name: str, position: int) -> list[object]:
+    """The argument at ``position`` of every later call of moe_mlp.py's ``name``, which still
+    runs."""
+    calls: list[object] = []
+    real = getattr(moe_module, name)
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args[position])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_module, name, recording)
+    return calls
+
+
 def _leaves(s: MoESample) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().requires_grad_() for t in (s.x, s.w13, s.w2, s.weights))
 
@@ -203,14 +217,7 @@ def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32, 
     from torch_triton_gemm.ops import launcher
 
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
-    prepared = []
-    real = moe_module.prepare_grouped_launch
-
-    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
-        prepared.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_module, "prepare_grouped_launch", counting)
+    prepared = _record_calls(monkeypatch, "prepare_grouped_launch", 0)
     counts = []
     for tokens, skew in ((16, False), (16, False), (16, True), (10, False)):
         s = make_sample(device, torch.float16, tokens=tokens, empty_expert=not skew)
@@ -382,14 +389,7 @@ def test_training_forward_on_rows_copied_into_slot_order(device, dtype, layout, 
     from torch_triton_gemm.ops.grouped_launch import GroupedRouting, prepare_grouped_launch
 
     monkeypatch.setattr(tuning, "MOE_GATE_UP_COPIES_ROWS", True)
-    routes = []
-    launch_routed = moe_module.launch_routed
-
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        routes.append(args[6])
-        return launch_routed(*args, **kwargs)
-
-    monkeypatch.setattr(moe_module, "launch_routed", spy)
+    routes = _record_calls(monkeypatch, "launch_routed", 6)  # the route of each launch
     # (9, 36, 40): with w13 stored [E, H, 2I], the up half starts 36 elements after the gate
     # half, off a 16-byte boundary in float16: the launch then reads b through pointers.
     for tokens, inter, hidden in ((24, INTER, H), (9, 40, 40), (9, 36, 40)):
