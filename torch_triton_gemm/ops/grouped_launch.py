@@ -348,7 +348,8 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     p = Problem(form, a, b, out, offs, bias)
     if routing is not None:
         # Routed rows are the sorted slots; a gated product's out is half as wide as b.
-        # Gathered rows load through pointers.
+        # Gathered rows load through pointers, and so does b then: in a loop that also loads
+        # through TMA, Triton 3.6 leaves the gathered loads unpipelined (synchronous).
         p.M, p.N = routing.slots, out.shape[1]
         if routing.gathered:
             use_tma = False
