@@ -996,7 +996,8 @@ GROUPED_TMA_STORE_TILES_PER_SM = 4
 # gated launch on the copy, through TMA, instead of gathering the rows inside the launch
 # through pointers: on an H100 the first MoE GEMM ran 743 TFLOP/s on copied rows against
 # 657-671 gathering them at 4096 rows an expert (1-2% apart at 1024). The no-grad forward
-# always gathers inside the launch. Off until the gated TMA launch is timed on a GPU.
+# always gathers inside the launch (so, with this on, the training output may differ from it in
+# the last bits). Off until the gated TMA launch is timed on a GPU.
 MOE_GATE_UP_COPIES_ROWS = False
 
 

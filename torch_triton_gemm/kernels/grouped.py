@@ -224,7 +224,8 @@ def grouped_mm_kernel(
     # gated output's width and B holds 2N columns, and pre_ptr (None, or [M, 2N] contiguous)
     # keeps the pre-activations (see ``pointer_tile``; ZERO_TAIL zeroes its tail rows too).
     # GATE with ROUTE = "none" (rows already in slot order, unscaled): the TMA path gates too,
-    # each tile's partner columns in a second accumulator (``store_gated``).
+    # each B box holding the tile's columns and their partners (tma.py's ``load_pair``), the
+    # epilogue ``store_gated`` as on the pointer path.
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
     # A gated tile accumulates its BLOCK_N columns and, beside them, their partners.

@@ -357,12 +357,12 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
     if out.numel() == 0 or G == 0 and not zero_tail:
         return None
     loads = tma_loads(form, a, b, p) if use_tma is not False else pointer_loads(p)
-    if loads[0] and routing is not None and routing.gate != "none" and (
-            p.N * loads[2][2] * b.element_size() % 16 != 0):
+    tma, a_strides, b_strides, flags = loads
+    if tma and routing is not None and routing.gate != "none" and (
+            p.N * b_strides[2] * b.element_size() % 16 != 0):
         # A gated TMA launch loads each column block with its partner N columns on in one
         # box, which needs that distance on a 16-byte boundary too.
-        loads = pointer_loads(p)
-    tma, a_strides, b_strides, flags = loads
+        tma, a_strides, b_strides, flags = pointer_loads(p)
     c_tma = tma and routing is None and _tma_stores(form, out, p)
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)

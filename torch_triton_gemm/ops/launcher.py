@@ -494,28 +494,31 @@ def memoised_eager_call(signature: tuple[Any, ...],
     known = _EAGER_LAUNCHES.get(signature)
     if known is None:
         out, prepared = first_call(*args)
-        if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
-            _EAGER_LAUNCHES.clear()
         allocate = functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
                                      dtype=out.dtype, device=out.device)
-        _EAGER_LAUNCHES[signature] = EagerEntry(allocate, prepared)
+        _remember(signature, EagerEntry(allocate, prepared))
         return out, prepared
     allocate, prepared = known
     return allocate(), prepared
 
 
-def memoised_launch(signature: tuple[Any, ...], prepare: Callable[[], Any]) -> Any:
+def memoised_launch(signature: tuple[Any, ...], prepare: Callable[..., Any], *args: Any) -> Any:
     """The prepared launch of an eager call whose caller allocates the output itself, from the
     memo of its ``signature`` (which must fix everything ``prepare`` depends on, as in
-    ``memoised_eager_call``); the first call of a signature runs ``prepare()``."""
+    ``memoised_eager_call``); the first call of a signature runs ``prepare(*args)``."""
     known = _EAGER_LAUNCHES.get(signature)
     if known is not None:
         return known.prepared
-    prepared = prepare()
+    prepared = prepare(*args)
+    _remember(signature, EagerEntry(None, prepared))
+    return prepared
+
+
+def _remember(signature: tuple[Any, ...], entry: EagerEntry) -> None:
+    # A bounded memo: a process that meets ever new signatures starts it again.
     if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
         _EAGER_LAUNCHES.clear()
-    _EAGER_LAUNCHES[signature] = EagerEntry(None, prepared)
-    return prepared
+    _EAGER_LAUNCHES[signature] = entry
 
 
 def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,

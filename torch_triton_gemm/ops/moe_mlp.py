@@ -34,7 +34,8 @@ forward's FLOPs), and autograd frees them once the down half's backward has used
 the gate/up half's allocates w13's gradient; act(gate) * up is freed after the forward (the
 backward differentiates through the pre-activations). Each returns its routing (order, token
 rows, offs) beside its output, which its backward reuses. The output is the no-grad call's, to
-the bit. Called as an op with gradients, tgemm::moe_mlp keeps only its inputs and its backward
+the bit (while tuning.MOE_GATE_UP_COPIES_ROWS is off: on, another kernel path runs the first
+launch). Called as an op with gradients, tgemm::moe_mlp keeps only its inputs and its backward
 recomputes the pre-activations (tgemm::moe_gate_up's launch), to the same bits.
 
 Backward: grad_out's rows are copied into slot order once (w2's gradient reads the same
@@ -323,8 +324,8 @@ def _grouped_launch(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: t
                                       routing=routing)
     signature = (ROUTED_OP, tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(out),
                  bool(zero_tail), routing, float32_precision())
-    return memoised_launch(signature, lambda: prepare_grouped_launch(
-        ROUTED_OP, a, b, offs, None, out, zero_tail, routing=routing))
+    return memoised_launch(signature, prepare_grouped_launch, ROUTED_OP, a, b, offs, None, out,
+                           zero_tail, None, None, routing)
 
 
 def _moe_routed_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
@@ -517,12 +518,11 @@ def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, act
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
     h = x.new_empty(order.shape[0], w13.shape[1] // 2)
-    if tuning.MOE_GATE_UP_COPIES_ROWS:
-        launch_routed(x.index_select(0, token_rows), w13.transpose(-2, -1), offs, token_rows,
-                      None, h, "slots", activation, True, traceable, pre=pre)
-    else:
-        launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather",
-                      activation, True, traceable, pre=pre)
+    # x's rows gathered inside the launch, or copied into slot order first (see the switch).
+    a, routed = ((x.index_select(0, token_rows), "slots") if tuning.MOE_GATE_UP_COPIES_ROWS
+                 else (x, "gather"))
+    launch_routed(a, w13.transpose(-2, -1), offs, token_rows, None, h, routed, activation, True,
+                  traceable, pre=pre)
     return pre, h, order, token_rows, offs
 
 
