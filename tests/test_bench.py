@@ -1288,7 +1288,8 @@ def test_plan_picks_on_any_host_are_the_plan_models_and_find_what_a_change_moves
         mcol = row["a_layout"] == "col" and m > 1
         with picks.h100():
             plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, row["aligned"] == "True",
-                                            row["narrow"] == "True", mcol)
+                                            row["narrow"] == "True", mcol,
+                                            int(row["pitch_vector"]))
         assert row["plan"] == picks.plan_name(plan), row
     # The same planner moves nothing; TMA launches 20 us dearer move some picks.
     assert picks.main([*argv, "--csv", moved, "--against", before]) == 0

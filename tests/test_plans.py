@@ -980,15 +980,62 @@ def test_size_alignment():
 @pytest.mark.parametrize("hints", [False, True])
 def test_the_plan_model_sees_pitches_off_multiples_of_16_as_narrow(monkeypatch, hints):
     """A pitch that is not a multiple of 16 elements is narrow for the plan model with or
-    without the hints (hinted portable loads still trail TMA on such pitches)."""
+    without the hints (hinted portable loads still trail TMA on such pitches); with the hints
+    the portable kernel copies along it in the widest cp.async vector (4-16 bytes) that the
+    narrowest pitch allows, and element by element below 4 bytes or without them."""
     monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1" if hints else "0")
-    w = torch.empty((64, 200), dtype=torch.bfloat16)
-    assert planner._narrow(torch.empty((8, 200), dtype=torch.bfloat16), w.t())
-    assert planner._narrow(torch.empty((8, 204), dtype=torch.bfloat16), w.t())
-    assert not planner._narrow(torch.empty((8, 208), dtype=torch.bfloat16),
-                               torch.empty((64, 208), dtype=torch.bfloat16).t())
-    assert planner._narrow(torch.empty((8, 200), dtype=torch.float32),
-                           torch.empty((64, 200), dtype=torch.float32).t())
+
+    def view(a_pitch: int, b_pitch: int, dtype: torch.dtype = torch.bfloat16):
+        a = torch.empty((8, a_pitch), dtype=dtype)[:, :192]  # K = 192 along pitches >= 200
+        w = torch.empty((64, b_pitch), dtype=dtype)[:, :192]
+        return planner._pitches(a, w.t())
+
+    vector = (lambda v: v) if hints else (lambda v: 0)
+    assert view(200, 200) == (True, vector(16))  # 400 bytes: 16 divides them
+    assert view(204, 200) == (True, vector(8))  # 408 bytes: 8 and no more
+    assert view(202, 208) == (True, vector(4))
+    assert view(201, 208) == (True, 0)  # 402 bytes: no copy of 4 bytes fits every row
+    assert view(208, 208) == (False, 16)
+    assert view(200, 200, torch.float32) == (True, vector(16))  # 800 bytes
+    assert view(201, 208, torch.float32) == (True, vector(4))  # 804 bytes
+
+
+def test_pitch_vectors_of_the_plan_model():
+    """The widest copy along every narrow pitch (bytes), and the cost kernel each selects in a
+    longer K loop (fitted tiles for 4-8-byte copies); one K step and the wide kernels keep
+    theirs."""
+    assert plan_model.pitch_vector([400, 408]) == 8
+    assert plan_model.pitch_vector([64 + 2]) == 0 and plan_model.pitch_vector([]) == 16
+    assert plan_model.pitch_vector([400], hinted=False) == 0
+    assert plan_model.pitch_vector([], hinted=False) == 16
+    kernel = plan_model.cost_kernel
+    assert kernel("portable", True, pitch_vector=0) == "portable-narrow"
+    assert kernel("portable", True, pitch_vector=4) == "portable-narrow-vector"
+    assert kernel("portable", True, pitch_vector=8) == "portable-narrow-vector"
+    # 16-byte copies: TMA reads such pitches as they are, and the element-wise constants keep
+    # the portable kernel from taking those products over.
+    assert kernel("portable", True, pitch_vector=16) == "portable-narrow"
+    assert kernel("portable", True, one_step=True, pitch_vector=8) == (
+        "portable-narrow-one-step")
+    assert kernel("portable", False, pitch_vector=16) == "portable"
+    assert kernel("tma", True, pitch_vector=0) == "tma"
+
+
+def test_the_fit_tool_sees_the_pitches_the_planner_sees(monkeypatch):
+    """The fit tool's view of a timed row (narrow, copy width) is the planner's view of the
+    operands the benchmark made for it, on sweep shapes of every layout and padding."""
+    from torch_triton_gemm.bench import fit, gemm, suites
+
+    monkeypatch.setenv("TORCH_TRITON_GEMM_PITCH_HINTS", "1")
+    meta = torch.device("meta")
+    widths = set()
+    for case in suites.sweep_cases(3, 120):
+        a, b = gemm.make_operands(case, torch.bfloat16, meta)
+        row = {**case.record(), "dtype": "bf16", "pitch_hints": "True"}
+        narrow, vector = planner._pitches(a, b)
+        assert (fit.narrow_row(row), fit.pitch_vector_row(row)) == (narrow, vector), case
+        widths.add(vector if narrow else None)
+    assert {None, 0, 4, 8, 16} <= widths  # every kind of pitch was met
 
 
 def test_pitch_hints_are_on_unless_switched_off(monkeypatch):

@@ -61,23 +61,45 @@ class Costs:
 
 
 def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
-                one_step: bool = False) -> str:
-    """The kernel name costs are kept under: the portable kernel reading operands whose pitches
-    are not multiples of 16 elements (``narrow``) loads without wide vectors, a kernel apart,
-    and apart again where each program takes one K step (``one_step``, see the function of
-    that name: one load of each operand tile, so narrow loads cost it far less than a long K
-    loop's); so is the portable kernel reading an M-contiguous A (x.t() in a weight
-    gradient), which ran at a third of the Hopper kernel's speed on an H100 (128 x 4416 x
-    2432: 32.6 us against 17.9)."""
+                one_step: bool = False, pitch_vector: int = 0) -> str:
+    """The kernel name costs are kept under. The portable kernel reading operands whose pitches
+    are not multiples of 16 elements (``narrow``) is a kernel apart where each program takes
+    one K step (``one_step``, see the function of that name: one load of each operand tile,
+    whatever the pitch), and in a longer K loop two more, by the widest cp.async copy the
+    narrow pitches allow (``pitch_vector``, see the function of that name). Where that is 4
+    or 8 bytes ('portable-narrow-vector'), the loop ran on an H100 3-4x faster than the
+    constants of the others ('portable-narrow') predicted, and taking that kernel over TMA on
+    padded copies made the picks it moved 1.12x faster. Where it is 16 bytes, TMA reads the
+    operands as they are, and the constants fitted to those loops took the portable kernel
+    over TMA to lose (66 picks moved, 57 slower, 8 x 296 x 504: 3.4 -> 4.9 us), so such
+    pitches keep the others' constants; so does a pitch no copy fits (element by element).
+    So is the portable kernel reading an M-contiguous A (x.t() in a weight gradient), which
+    ran at a third of the Hopper kernel's speed on an H100 (128 x 4416 x 2432: 32.6 us
+    against 17.9)."""
     if kernel != "portable":
         return kernel
     if narrow:
-        return "portable-narrow-one-step" if one_step else "portable-narrow"
+        if one_step:
+            return "portable-narrow-one-step"
+        return "portable-narrow-vector" if 4 <= pitch_vector < 16 else "portable-narrow"
     return "portable-mcol" if a_m_contiguous else kernel
 
 
+def pitch_vector(narrow_pitches: Iterable[int], hinted: bool = True) -> int:
+    """The widest cp.async copy, in bytes (4, 8 or 16), that the portable kernel's K loop can
+    make along every one of ``narrow_pitches`` (in bytes: pitches that are not multiples of 16
+    elements); 0 where one allows none (a pitch not a multiple of 4 bytes: the loop loads
+    element by element), and where the kernel has no pitch hints (``hinted``:
+    ``tuning.pitch_hints_enabled``) to tell it how the pitches align."""
+    widths = [min(pitch & -pitch, 16) for pitch in narrow_pitches]
+    if not widths:
+        return 16  # Triton sees pitches that are multiples of 16 elements itself
+    return min(widths) if hinted and min(widths) >= 4 else 0
+
+
 # A cost kernel without fitted tiles of its own is costed as the one it refines.
-REFINES = {"portable-narrow-one-step": "portable-narrow"}
+REFINES = {"portable-narrow-one-step": "portable-narrow",
+           "portable-narrow-vector": "portable-narrow"}
 
 
 def one_step(plan: tuning.MMPlan, k: int, element_size: int) -> bool:
@@ -165,14 +187,17 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
 
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, aligned: bool = True, narrow: bool = False,
-               a_m_contiguous: bool = False) -> float:
+               a_m_contiguous: bool = False, pitch_vector: int = 0) -> float:
     """Predicted kernel-only time of ``plan`` on an m x n x k product, in microseconds
     (``aligned``: the operands can be described for TMA as they are; ``narrow``: their pitches
-    are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous)."""
+    are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous;
+    ``pitch_vector``: the widest copy the portable kernel makes along narrow pitches, see
+    ``cost_kernel``)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
     cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous,
-                                        one_step(plan, k, element_size)), plan.tile)
+                                        one_step(plan, k, element_size), pitch_vector),
+                     plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
@@ -194,10 +219,11 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
 
 def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: int,
               element_size: int, out_size: int, aligned: bool = True,
-              narrow: bool = False, a_m_contiguous: bool = False) -> tuning.MMPlan:
+              narrow: bool = False, a_m_contiguous: bool = False,
+              pitch_vector: int = 0) -> tuning.MMPlan:
     """The plan of ``plans`` with the least predicted time (the first of equals)."""
     return min(plans, key=lambda p: predict_us(costs, p, m, n, k, element_size, out_size,
-                                               aligned, narrow, a_m_contiguous))
+                                               aligned, narrow, a_m_contiguous, pitch_vector))
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:
@@ -211,14 +237,16 @@ def with_machine(costs: Costs, num_sms: int) -> Costs:
 
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
                   num_sms: int, aligned: bool, narrow: bool,
-                  a_m_contiguous: bool = False) -> tuning.MMPlan | None:
+                  a_m_contiguous: bool = False, pitch_vector: int = 0
+                  ) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
     SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
-    elements (the portable kernel then loads without wide vectors); ``a_m_contiguous``: A's
-    columns are contiguous. None where no plan of the space fits the GPU's shared memory."""
+    elements; ``a_m_contiguous``: A's columns are contiguous; ``pitch_vector``: the widest
+    copy the portable kernel makes along such pitches (``cost_kernel``). None where no plan of
+    the space fits the GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms)
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
@@ -229,7 +257,7 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
     return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,
-                     a_m_contiguous)
+                     a_m_contiguous, pitch_vector)
 
 
 # Fitted by python -m torch_triton_gemm.bench.fit on docs/data/plans-h100-seed1.csv and
@@ -257,6 +285,18 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
 # ran 1.16x and 1.18x faster. The launch offsets of bench.fit --rebase-launches, timed in the
 # same runs, made the picks they changed 0.97x as fast (tiny products moved to TMA plans), so
 # the launch constants stay as fitted.
+# The 4-8-byte vector tiles ('portable-narrow-vector') were fitted alone (bench.fit --refit
+# portable-narrow-vector) on the timings with today's hints of seeds 1 (-narrow-ktail), 9, 10,
+# 12, 13 and 14 (plans-h100-seed{13,14}-narrow-portable.csv: every unsplit portable plan on
+# 137 narrow-pitch shapes). Held out, their picks against the constants before (each arm timed
+# twice, one run per pair of seeds, docs/data/chosen-h100-seed*-vector-ab-*.csv; the moved
+# cases in docs/data/picks-moved-vector-seed*.csv): 1.07x and 1.11x faster on the 10 and 18
+# picks they moved on seeds 8 and 11, 1.00x and 1.20x on 16 and 10 of seeds 15 and 16 (worst
+# 504 x 3008 x 522: 13.3 -> 20.1 us). A first version gave 16-byte pitches tiles of their
+# own too, fitted the same way: its 80 and 90 moved picks on seeds 8 and 11 ran 0.91x and
+# 0.92x as fast (see cost_kernel; seeds 8 and 11's "new" arms are its picks, of which this
+# version's moved ones are a subset, same plans). Seeds 15 and 16 were timed on this version
+# alone, after the choice.
 H100_COSTS = Costs(
     launch_us={'reduce': 2.438, 'copy': 3.725},
     exchange_us=0.7578,
@@ -314,6 +354,27 @@ H100_COSTS = Costs(
         ('portable-narrow-one-step', 64, 64, 4, 4): TileCost(1.63, 0.3785, 0.739),
         ('portable-narrow-one-step', 64, 64, 4, 5): TileCost(1.619, 0.3694, 0.711),
         ('portable-narrow-one-step', 64, 128, 4, 4): TileCost(1.682, 0.4112, 0.8055),
+        ('portable-narrow-vector', 16, 16, 4, 4): TileCost(0.1157, 0.6748, 0.95),
+        ('portable-narrow-vector', 16, 32, 4, 4): TileCost(1.342, 0.3429, 0.7294),
+        ('portable-narrow-vector', 16, 64, 4, 4): TileCost(5.814, 0.9617, 0.0004663),
+        ('portable-narrow-vector', 16, 64, 4, 6): TileCost(1.116, 0.5332, 1.261),
+        ('portable-narrow-vector', 16, 128, 4, 4): TileCost(2.513, 0.956, 1.433),
+        ('portable-narrow-vector', 32, 32, 4, 4): TileCost(0.4263, 0.4373, 1.451),
+        ('portable-narrow-vector', 32, 64, 4, 4): TileCost(1.787, 0.4744, 1.508),
+        ('portable-narrow-vector', 32, 128, 4, 4): TileCost(0.005789, 1.146, 2.618),
+        ('portable-narrow-vector', 64, 16, 4, 4): TileCost(0.0002164, 0.4035, 1.978),
+        ('portable-narrow-vector', 64, 32, 4, 4): TileCost(1.454, 0.5368, 1.177),
+        ('portable-narrow-vector', 64, 64, 4, 4): TileCost(0.9172, 1.037, 1.702),
+        ('portable-narrow-vector', 64, 64, 4, 5): TileCost(0.8714, 0.4616, 1.543),
+        ('portable-narrow-vector', 64, 128, 4, 4): TileCost(1.137, 0.6675, 2.205),
+        ('portable-narrow-vector', 64, 256, 4, 4): TileCost(0.0009535, 1.335, 3.122),
+        ('portable-narrow-vector', 128, 16, 4, 4): TileCost(1.663, 0.8158, 1.559),
+        ('portable-narrow-vector', 128, 32, 4, 4): TileCost(1.149, 0.4405, 1.897),
+        ('portable-narrow-vector', 128, 64, 4, 4): TileCost(1.016, 0.4972, 2.814),
+        ('portable-narrow-vector', 128, 128, 4, 4): TileCost(0.0007408, 1.489, 2.801),
+        ('portable-narrow-vector', 128, 128, 8, 4): TileCost(0.0006387, 0.7541, 3.652),
+        ('portable-narrow-vector', 128, 256, 8, 3): TileCost(0.001228, 1.03, 5.443),
+        ('portable-narrow-vector', 256, 128, 8, 3): TileCost(0.001132, 1.141, 4.643),
         ('tma', 16, 16, 4, 4): TileCost(3.871, 0.4647, 0.5206),
         ('tma', 16, 32, 4, 4): TileCost(3.048, 0.3265, 0.5013),
         ('tma', 16, 64, 4, 4): TileCost(4.475, 0.8834, 0.6228),

@@ -53,6 +53,8 @@ class Timed:
     # Timed before a change to the kernels' launches (``--fit-before``): the fit gives such
     # rows launch constants of their own, a factor per cost kernel off today's.
     before: bool = False
+    # The widest copy the portable kernel made along narrow pitches (plan_model.pitch_vector).
+    pitch_vector: int = 0
 
 
 def read(paths: Sequence[str], before: bool = False) -> list[Timed]:
@@ -92,7 +94,7 @@ def _timed_rows(path: str, reader: Iterable[dict[str, str]], before: bool) -> li
                           r["a_layout"] == "col" and int(r["M"]) > 1, float(r["us"]),
                           float(r["cublas_us"]), r["heuristic"] == "True",
                           r.get("pitch_hints") == "True", r.get("size_hints") == "True",
-                          before))
+                          before, pitch_vector_row(r)))
     return rows
 
 
@@ -111,20 +113,37 @@ def current_kernels(rows: Sequence[Timed]) -> list[Timed]:
     return list(rows)
 
 
-def narrow_row(r: Mapping[str, Any]) -> bool:
-    """Whether a CSV row's operands have a pitch that is not a multiple of 16 elements (the
-    sweep's layouts: a row-major or transposed, b nn.Linear's W.t() or row-major, padded)."""
+def _pitches(r: Mapping[str, Any]) -> list[int]:
+    """The pitches (elements) of a CSV row's operands along which they have more than one row
+    (the sweep's layouts: a row-major or transposed, b nn.Linear's W.t() or row-major,
+    padded)."""
     m, n, k = int(r["M"]), int(r["N"]), int(r["K"])
     a_pitch = (k if r["a_layout"] == "row" else m) + int(r.get("a_pad") or 0)
     b_pitch = (k if r["b_layout"] == "col" else n) + int(r.get("b_pad") or 0)
     a_rows, b_rows = (m if r["a_layout"] == "row" else k), (n if r["b_layout"] == "col" else k)
-    return (a_rows > 1 and a_pitch % 16 != 0) or (b_rows > 1 and b_pitch % 16 != 0)
+    # A pitch of 1 (K = 1 in a layout along K) steps like a contiguous dimension.
+    return [pitch for rows, pitch in ((a_rows, a_pitch), (b_rows, b_pitch))
+            if rows > 1 and pitch != 1]
+
+
+def narrow_row(r: Mapping[str, Any]) -> bool:
+    """Whether a CSV row's operands have a pitch that is not a multiple of 16 elements."""
+    return any(pitch % 16 for pitch in _pitches(r))
+
+
+def pitch_vector_row(r: Mapping[str, Any]) -> int:
+    """The widest copy a CSV row's portable launch made along its narrow pitches
+    (``plan_model.pitch_vector``; rows timed without pitch hints: 0)."""
+    size = 1 if r["dtype"].startswith("fp8") else 2
+    return plan_model.pitch_vector([pitch * size for pitch in _pitches(r) if pitch % 16],
+                                   r.get("pitch_hints") == "True")
 
 
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
     return plan_model._tile_key(
         plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
-                               plan_model.one_step(r.plan, r.k, r.element_size)),
+                               plan_model.one_step(r.plan, r.k, r.element_size),
+                               r.pitch_vector),
         r.plan.tile)
 
 
@@ -251,7 +270,8 @@ def rebase_launches(rows: Sequence[Timed], costs: plan_model.Costs,
                            for r in timed])
         rest = np.array([plan_model.predict_us(costs, r.plan, r.m, r.n, r.k, r.element_size,
                                                r.element_size, r.aligned, r.narrow,
-                                               r.a_m_contiguous) for r in timed]) - launch
+                                               r.a_m_contiguous, r.pitch_vector)
+                         for r in timed]) - launch
 
         def error(offset: float, measured: Any = measured, rest: Any = rest,
                   launch: Any = launch) -> float:
@@ -289,7 +309,7 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
             "fixup" in costs.launch_us or not r.plan.split_fixup)] or timed
         choice = min(eligible, key=lambda r: plan_model.predict_us(
             costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned, r.narrow,
-            r.a_m_contiguous))
+            r.a_m_contiguous, r.pitch_vector))
         best = min(timed, key=lambda r: r.us)
         picked.append(first.cublas_us / choice.us)
         oracle.append(first.cublas_us / best.us)
@@ -345,8 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--refit", default=None, metavar="KERNEL",
                         help="fit only the tiles of this cost kernel (plan_model.cost_kernel: "
-                             "portable, portable-narrow, portable-mcol, tma) on the fit files' "
-                             "rows of it; every other constant stays plan_model.H100_COSTS's")
+                             "portable, portable-narrow, portable-narrow-vector, portable-mcol, "
+                             "tma) on the fit files' rows of it; every other constant stays "
+                             "plan_model.H100_COSTS's")
     args = parser.parse_args(argv)
     if args.fit_before and not args.fit:
         parser.error("--fit-before needs --fit: today's timings set the launch constants")

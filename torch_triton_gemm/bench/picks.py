@@ -10,7 +10,8 @@ to the plan model or its space moves, so that a GPU run times those cases alone.
         --count 400 --cases changed.csv --csv after-timed.csv      (on the GPU)
 
 One CSV row per (case, dtype): the case, how the plan model sees its operands (``aligned``:
-TMA reads them as they are; ``narrow``: a pitch is not a multiple of 16 elements) and the
+TMA reads them as they are; ``narrow``: a pitch is not a multiple of 16 elements;
+``pitch_vector``: the widest copy the portable kernel makes along such pitches) and the
 plan (``plan``; ``none`` where no plan of the space fits and the heuristic plans). With
 ``--against``, only the rows whose plan differs from that file's, with its plan beside.
 16-bit products only (the plan model's); tuned plans are not consulted.
@@ -38,7 +39,8 @@ from .suites import Case
 H100_NUM_SMS = 132
 H100_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
 
-FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "narrow", "plan")
+FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "narrow",
+          "pitch_vector", "plan")
 
 
 def plan_name(plan: tuning.MMPlan | None) -> str:
@@ -75,11 +77,11 @@ def picks(cases: Sequence[Case], dtypes: Sequence[str]) -> list[dict[str, object
             for dtype in dtypes:
                 a, b = make_operands(case, DTYPES[dtype], meta)
                 out = torch.empty((case.m, case.n), dtype=a.dtype, device=meta)
-                aligned, narrow, _ = model_view(a, b, out)
+                aligned, narrow, _, pitch_vector = model_view(a, b, out)
                 rows.append({
                     "name": case.name, "a_layout": case.a_layout, "b_layout": case.b_layout,
                     "dtype": dtype, "M": case.m, "N": case.n, "K": case.k,
-                    "aligned": aligned, "narrow": narrow,
+                    "aligned": aligned, "narrow": narrow, "pitch_vector": pitch_vector,
                     "plan": plan_name(modelled_mm_plan(a, b, out))})
     return rows
 

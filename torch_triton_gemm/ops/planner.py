@@ -52,29 +52,32 @@ def modelled_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tun
     return _modelled(M, N, K, out.element_size(), a.device, model_view(a, b, out))
 
 
-def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[bool, bool, bool]:
+def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+               ) -> tuple[bool, bool, bool, int]:
     """How the plan model sees these operands (known sizes): whether TMA reads them as they
-    are (no padded copies), whether a pitch is not a multiple of 16 elements, and whether A's
-    columns are contiguous."""
+    are (no padded copies), whether a pitch is not a multiple of 16 elements, whether A's
+    columns are contiguous, and the widest copy the portable kernel makes along narrow
+    pitches (``_pitches``)."""
     tma_args, pads, _ = kernel_operands(a, b, out)
     return _model_view(a, b, tma_args, pads)
 
 
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
-              view: tuple[bool, bool, bool]) -> tuning.MMPlan | None:
+              view: tuple[bool, bool, bool, int]) -> tuning.MMPlan | None:
     # The plan model weighs copying operands TMA cannot describe as they are.
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
                                     _device.num_sms(device), *view)
 
 
 def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
-                ) -> tuple[bool, bool, bool]:
+                ) -> tuple[bool, bool, bool, int]:
     """How the plan model sees the operands (``_plan``'s ``view``): TMA reads them as they are
     (it needs no padded copies; where the GPU has no TMA, the plan model offers no TMA plans
     and this is not asked), a pitch is not a multiple of 16 elements, A's columns are
-    contiguous."""
+    contiguous, the widest copy the portable kernel makes along such pitches (``_pitches``)."""
     aligned = tma_args is not None and pads == (None, None)
-    return aligned, _narrow(a, b), a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1
+    narrow, pitch_vector = _pitches(a, b)
+    return aligned, narrow, a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1, pitch_vector
 
 
 def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -107,30 +110,29 @@ def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
             and (out.stride(0) * out.element_size()) % 16 == 0)
 
 
-def _narrow(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a pitch of the operands is not a multiple of 16 elements; the plan model weighs
-    it, with whether TMA reads the operands as they are (``view`` of ``_plan``). Pitch hints
-    (``tuning.pitch_hints_enabled``) do not change it: on an H100 they made such portable
-    launches 1.06x faster (geomean), still far behind TMA on a 16-byte aligned pitch (5312 x
-    64 x 11176 bf16: 207 us portable with hints, 65 us TMA)."""
-    narrow = False
+def _pitches(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
+    """Whether a pitch of the operands is not a multiple of 16 elements (narrow), and the
+    widest copy the portable kernel makes along such pitches (``plan_model.pitch_vector``).
+    The plan model weighs both, with whether TMA reads the operands as they are (``view`` of
+    ``_plan``): narrow pitches still cost TMA its padded copies (5312 x 64 x 11176 bf16 on an
+    H100: 207 us portable with pitch hints, 65 us TMA on a 16-byte aligned pitch)."""
+    narrow = []
     for t in (a, b):
         rows, cols = t.shape
         for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
             if size > 1 and pitch != 1 and pitch % 16:
-                narrow = True
-    return narrow
+                narrow.append(pitch * t.element_size())
+    return bool(narrow), plan_model.pitch_vector(narrow, tuning.pitch_hints_enabled())
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
           out_size: int, layout: int, tma: bool, eager: bool,
           scales: GemmScales | None = None,
-          view: tuple[bool, bool, bool] | None = None) -> tuning.MMPlan:
+          view: tuple[bool, bool, bool, int] | None = None) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
-    operands on a GPU, the plan model's (``view``: aligned, narrow, A M-contiguous; see
-    ``plan_mm``), else the
-    heuristic's. Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a
-    plain eager call outside CUDA-graph capture. Scaled products (``scales``) take the
+    operands on a GPU, the plan model's (``view``: ``_model_view``'s), else the heuristic's.
+    Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a plain eager
+    call outside CUDA-graph capture. Scaled products (``scales``) take the
     heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
     forced = tuning.forced_plan()
     if forced is not None:
