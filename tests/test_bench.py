@@ -1206,6 +1206,12 @@ def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatc
     monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 232448)
     scaled_cases = [c for c in plans._cases(["scaled"], 1, 10) if isinstance(c, ScaledCase)]
     assert len(scaled_cases) == len(suites.scaled_cases())
+    # --scaled-ms: the Llama-3-8B projections at other M, the other shapes as they were.
+    mid = [c for c in plans._cases(["scaled"], 1, 10, (256, 512)) if isinstance(c, ScaledCase)]
+    assert {c.m for c in mid} == {256, 512, 4096, 8192}
+    assert {(c.m, c.n, c.k) for c in mid} == {(4096,) * 3, (8192,) * 3, (4096, 18944, 3584)} | {
+        (m, n, k) for m in (256, 512) for _, n, k in suites.LLAMA_LAYERS}
+    assert len(mid) * 19 == len(scaled_cases) * 11  # every recipe and mode, shape by shape
 
     def precise(case: ScaledCase, tma: bool = True) -> list[tuning.MMPlan]:
         return [p for p in plans.space_of(case, 1, tma, 132, True)

@@ -5,6 +5,8 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
         --csv plans.csv
     python -m torch_triton_gemm.bench.plans --suites scaled --recipes blockwise --ms 8192 \\
         --csv fp8-plans.csv
+    python -m torch_triton_gemm.bench.plans --suites scaled --scaled-ms 256,512,1024 \\
+        --ms 256,512,1024 --csv fp8-mid-m.csv
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -53,13 +55,14 @@ FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pa
 AnyCase = Case | ScaledCase
 
 
-def _cases(names: Sequence[str], seed: int, count: int) -> list[AnyCase]:
+def _cases(names: Sequence[str], seed: int, count: int,
+           scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS) -> list[AnyCase]:
     cases: list[AnyCase] = []
     for name in names:
         if name == "sweep":
             cases += suites.sweep_cases(seed, count)
         elif name == "scaled":
-            cases += suites.scaled_cases()
+            cases += suites.scaled_cases(llama_ms=scaled_ms)
         else:
             cases += suites.suite_cases(name)
     return cases
@@ -326,6 +329,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="scaled: only these recipes (comma-separated)")
     parser.add_argument("--ms", default=None,
                         help="only cases with these M (comma-separated)")
+    parser.add_argument("--scaled-ms", default=None, metavar="MS",
+                        help="scaled: the Llama-3-8B projections at these M (comma-separated) "
+                             "instead of the suite's "
+                             f"{', '.join(map(str, suites.SCALED_LLAMA_MS))}")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--dtypes", default="bf16")
@@ -391,7 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
     start = time.perf_counter()
-    cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count)
+    scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
+        int(m) for m in args.scaled_ms.split(","))
+    cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count,
+                   scaled_ms)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:
