@@ -68,11 +68,12 @@ def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
     whatever the pitch), and in a longer K loop two more, by the widest cp.async copy the
     narrow pitches allow (``pitch_vector``, see the function of that name). Where that is 4
     or 8 bytes ('portable-narrow-vector'), the loop ran on an H100 3-4x faster than the
-    constants of the others ('portable-narrow') predicted, and taking that kernel over TMA on
-    padded copies made the picks it moved 1.12x faster. Where it is 16 bytes, TMA reads the
-    operands as they are, and the constants fitted to those loops took the portable kernel
-    over TMA to lose (66 picks moved, 57 slower, 8 x 296 x 504: 3.4 -> 4.9 us), so such
-    pitches keep the others' constants; so does a pitch no copy fits (element by element).
+    constants of the others ('portable-narrow') predicted; the picks its own constants moved
+    ran 1.09x faster in geomean on four held-out seeds (54 picks, 31 faster by more than 5%,
+    14 slower). Where it is 16 bytes, TMA reads the operands as they are, and constants
+    fitted to those loops took the portable kernel over TMA to lose (seeds 8 and 11: 170
+    picks moved, 115 slower by more than 5%; 8 x 296 x 504: 3.4 -> 4.9 us), so such pitches
+    keep the others' constants; so does a pitch no copy fits (element by element).
     So is the portable kernel reading an M-contiguous A (x.t() in a weight gradient), which
     ran at a third of the Hopper kernel's speed on an H100 (128 x 4416 x 2432: 32.6 us
     against 17.9)."""
