@@ -83,20 +83,6 @@ def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.T
     return out
 
 
-def _record_calls(monkeypatch: pytest.MonkeyPatch, name: str, position: int) -> list[object]:
-    """The argument at ``position`` of every later call of moe_mlp.py's ``name``, which still
-    runs."""
-    calls: list[object] = []
-    real = getattr(moe_module, name)
-
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[position])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(moe_module, name, recording)
-    return calls
-
-
 def _leaves(s: MoESample) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().requires_grad_() for t in (s.x, s.w13, s.w2, s.weights))
 
@@ -217,7 +203,14 @@ def test_eager_launches_memoised_per_signature_stay_right(device, highest_fp32, 
     from torch_triton_gemm.ops import launcher
 
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
-    prepared = _record_calls(monkeypatch, "prepare_grouped_launch", 0)
+    prepared = []
+    real = moe_module.prepare_grouped_launch
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        prepared.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "prepare_grouped_launch", counting)
     counts = []
     for tokens, skew in ((16, False), (16, False), (16, True), (10, False)):
         s = make_sample(device, torch.float16, tokens=tokens, empty_expert=not skew)
@@ -374,59 +367,6 @@ def test_training_forward_keeps_pre_activations_for_the_backward(device, activat
     assert torch.equal(public, out)
     for a, b in zip(kept, torch.autograd.grad(public, (x, w13, w2, weights), grad_out)):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("layout", ["row", "t"])
-@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
-def test_training_forward_on_rows_copied_into_slot_order(device, dtype, layout, highest_fp32,
-                                                         monkeypatch):
-    """With tuning.MOE_GATE_UP_COPIES_ROWS, tgemm::moe_gate_up copies x's rows into slot order
-    and runs the gated launch on the copy through TMA descriptors (the partner columns in a
-    second accumulator): the pre-activations, act(gate) * up (zeros past the last expert's
-    slots, kept and not), the output and every gradient still match float64, with a partial
-    tile of gate/up columns and a K remainder."""
-    from torch_triton_gemm import tuning
-    from torch_triton_gemm.ops.grouped_launch import GroupedRouting, prepare_grouped_launch
-
-    monkeypatch.setattr(tuning, "MOE_GATE_UP_COPIES_ROWS", True)
-    routes = _record_calls(monkeypatch, "launch_routed", 6)  # the route of each launch
-    # (9, 36, 40): with w13 stored [E, H, 2I], the up half starts 36 elements after the gate
-    # half, off a 16-byte boundary in float16: the launch then reads b through pointers.
-    for tokens, inter, hidden in ((24, INTER, H), (9, 40, 40), (9, 36, 40)):
-        s = make_sample(device, dtype, tokens=tokens, inter=inter, hidden=hidden, top_k=3,
-                        layout=layout)
-        s.ids[0, 0] = -1  # a slot of no expert: sorted past the last one
-        order, tokens_of_slots, offs = moe_module.route(s.ids, E)
-        rows = s.x.index_select(0, tokens_of_slots)
-        h = s.x.new_empty(rows.shape[0], inter)
-        launch = prepare_grouped_launch("test", rows, s.w13.transpose(1, 2), offs, None, h, True,
-                                        routing=GroupedRouting(rows.shape[0], "silu", True,
-                                                               False))
-        pairs_aligned = layout == "row" or inter * s.x.element_size() % 16 == 0
-        assert launch.tma == pairs_aligned and launch.args[-2:] == ("none", "silu")
-        x, w13, w2, weights = _leaves(s)
-        routes.clear()
-        pre, h, *_ = torch.ops.tgemm.moe_gate_up(x, w13, s.ids, "silu")
-        assert routes == ["slots"]
-        routed = int(offs[-1])
-        assert not pre[routed:].any() and not h[routed:].any()
-        expected = reference_pre(s.x, s.w13, tokens_of_slots[:routed], offs)
-        tol = tolerance(dtype, dtype)
-        assert rel_error(pre[:routed], expected) <= tol
-        gate, up = expected.chunk(2, dim=-1)
-        assert rel_error(h[:routed], F.silu(gate) * up) <= tol
-        assert rel_error(tg.moe_mlp(*s.args()), reference(*s.args())) <= tol
-        _grads_match(s)
-
-
-def reference_pre(x: torch.Tensor, w13: torch.Tensor, token_rows: torch.Tensor,
-                  offs: torch.Tensor) -> torch.Tensor:
-    """The routed slots' pre-activations [S, 2I] in float64, expert by expert."""
-    rows, start = [], 0
-    for e, end in enumerate(offs.tolist()):
-        rows.append(x[token_rows[start:end]].double() @ w13[e].double().t())
-        start = end
-    return torch.cat(rows)
 
 
 def test_only_the_down_half_keeps_the_pre_activations(device):
@@ -659,19 +599,15 @@ from torch_triton_gemm.kernels.grouped import grouped_mm_kernel as kernel
 
 def compile_for(route, gate, tile, keep=False):
     block_m, block_n, block_k, num_warps, num_stages = tile
-    tma = route == "none"  # rows copied into slot order: TMA loads, b as w.transpose(-2, -1)
     constants = dict(
         GROUPED="m", ZERO_TAIL=keep, HAS_BIAS=False, bias_ptr=None,
         SCALING="none", SA_ROWS=1, SB_COLS=1, FAST_ACCUM=False, sa_ptr=None, sb_ptr=None,
-        USE_TMA=tma, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=tma, C_TMA=False,
+        USE_TMA=False, A_M_CONTIGUOUS=False, B_K_CONTIGUOUS=False, C_TMA=False,
         EPILOGUE_SUBTILE=1, INPUT_PRECISION=None, UPCAST_TO_FP32=False, INDEX_64=False,
         ROUTE=route, GATE=gate, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, GROUP_M=8, stride_ak=1, stride_bk=1, stride_cn=1)
     pointers = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offs_ptr": "*i32",
                 "rows_ptr": "*i32"}
-    if tma:
-        del pointers["rows_ptr"]
-        constants["rows_ptr"] = None
     if keep:  # training: the pre-activations stored beside
         pointers["pre_ptr"] = "*bf16"
     else:
@@ -689,8 +625,6 @@ compile_for("gather", "silu", (128, 128, 64, 8, 3), keep=True)
 compile_for("gather", "gelu", (64, 128, 64, 4, 3))
 compile_for("gather", "gelu", (64, 128, 64, 4, 3), keep=True)
 compile_for("gather", "none", (128, 256, 64, 8, 3))
-compile_for("none", "silu", (128, 128, 64, 8, 3))  # training's gated launch on copied rows
-compile_for("none", "silu", (128, 128, 64, 8, 3), keep=True)
 
 from torch_triton_gemm.kernels.combine import combine_kernel
 for weights in (True, False):
@@ -721,16 +655,14 @@ for activation in ("silu", "gelu"):
 def test_routed_kernel_compiles_for_hopper():
     """Triton compiles the routed launches of the grouped kernel for sm_90 without a GPU:
     gathered rows with the SwiGLU / GeGLU epilogue (both halves in one wgmma tile), also
-    keeping the pre-activations (training), plain gathered rows; the gated launch on rows
-    copied into slot order through TMA (each box a column block and its partners), kept and
-    not; the combine; and the gated activation's elementwise kernels."""
+    keeping the pre-activations (training), plain gathered rows (moe_routed_mm); the combine;
+    and the gated activation's elementwise kernels."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_COMPILE_SCRIPT).strip().splitlines()
     assert out == ["gather silu True pointers", "gather silu keep True pointers",
                    "gather gelu True pointers", "gather gelu keep True pointers",
-                   "gather none True pointers", "none silu True tma",
-                   "none silu keep True tma", "combine True", "combine False", "glu silu",
+                   "gather none True pointers", "combine True", "combine False", "glu silu",
                    "glu gelu", "glu forward silu", "glu forward gelu"]
 
 

@@ -992,13 +992,6 @@ GROUPED_WIDE_N = 2048
 # with TMA stores against 0.87-1.01x without), and pays off on large groups (Mixtral's weight
 # gradient, 1792 tiles per group: 1.02-1.03x against 0.98-1.01x).
 GROUPED_TMA_STORE_TILES_PER_SM = 4
-# moe_mlp's training forward (tgemm::moe_gate_up) copies x's rows into slot order and runs its
-# gated launch on the copy, through TMA, instead of gathering the rows inside the launch
-# through pointers: on an H100 the first MoE GEMM ran 743 TFLOP/s on copied rows against
-# 657-671 gathering them at 4096 rows an expert (1-2% apart at 1024). The no-grad forward
-# always gathers inside the launch (so, with this on, the training output may differ from it in
-# the last bits). Off until the gated TMA launch is timed on a GPU.
-MOE_GATE_UP_COPIES_ROWS = False
 
 
 def grouped_tma_store(tile: TileConfig, m_per_group: int, n_per_group: int,

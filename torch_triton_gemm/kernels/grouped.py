@@ -37,7 +37,7 @@ from .tiles import (
     store_epilogue,
     widen,
 )
-from .tma import load_operand, load_pair, operand_descriptor, pair_descriptor, store_tile
+from .tma import load_operand, operand_descriptor, store_tile
 
 # Columns of the list kernel's problem table (int64, one row per problem).
 TABLE_A = tl.constexpr(0)  # addresses of A, B and C
@@ -150,32 +150,17 @@ def pointer_tile(
     )
     if GATE != "none":
         gate, up = column_halves(acc, BLOCK_M, ACC_N)
-        store_gated(gate, up, c_ptr, bias_ptr, pre_ptr, rows, cols, m0, m1, n0, n1, stride_cm,
-                    stride_cn, stride_bias, HAS_BIAS, GATE, INDEX_64)
+        if pre_ptr is not None:
+            pre_rows = widen(m0 + rows, INDEX_64)
+            pre_cols = widen(cols, INDEX_64)
+            store_epilogue(gate, pre_ptr, pre_ptr, pre_rows, pre_cols, m1, n1, 2 * n1, 1, 0,
+                           False, "none")
+            store_epilogue(up, pre_ptr + widen(n1, INDEX_64), pre_ptr, pre_rows, pre_cols, m1,
+                           n1, 2 * n1, 1, 0, False, "none")
+        acc = apply_activation(gate, GATE) * up
     else:
         acc = outer_scales(acc, sa_ptr, sb_ptr, in_rows, in_cols, stride_sam, stride_sbn,
                            SCALING)
-        store_epilogue(
-            acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1,
-            n1, stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
-        )
-
-
-@triton.jit
-def store_gated(gate, up, c_ptr, bias_ptr, pre_ptr, rows, cols, m0, m1, n0, n1, stride_cm,
-                stride_cn, stride_bias, HAS_BIAS: tl.constexpr, GATE: tl.constexpr,
-                INDEX_64: tl.constexpr):
-    """A gated tile's epilogue (rows and columns counted from the group's first, m0 and n0 =
-    0): act(gate) * up into C and, where pre_ptr is not None, both halves into the kept
-    pre-activations (row pitch 2 * n1)."""
-    if pre_ptr is not None:
-        pre_rows = widen(m0 + rows, INDEX_64)
-        pre_cols = widen(cols, INDEX_64)
-        store_epilogue(gate, pre_ptr, pre_ptr, pre_rows, pre_cols, m1, n1, 2 * n1, 1, 0,
-                       False, "none")
-        store_epilogue(up, pre_ptr + widen(n1, INDEX_64), pre_ptr, pre_rows, pre_cols, m1,
-                       n1, 2 * n1, 1, 0, False, "none")
-    acc = apply_activation(gate, GATE) * up
     store_epilogue(
         acc, c_ptr, bias_ptr, widen(m0 + rows, INDEX_64), widen(n0 + cols, INDEX_64), m1, n1,
         stride_cm, stride_cn, stride_bias, HAS_BIAS, "none",
@@ -223,13 +208,8 @@ def grouped_mm_kernel(
     # sorted token slots, rows_ptr maps each to the row of A it reads; with GATE, N is the
     # gated output's width and B holds 2N columns, and pre_ptr (None, or [M, 2N] contiguous)
     # keeps the pre-activations (see ``pointer_tile``; ZERO_TAIL zeroes its tail rows too).
-    # GATE with ROUTE = "none" (rows already in slot order, unscaled): the TMA path gates too,
-    # each B box holding the tile's columns and their partners (tma.py's ``load_pair``), the
-    # epilogue ``store_gated`` as on the pointer path.
     pid = tl.program_id(axis=0)
     num_programs = tl.num_programs(axis=0)
-    # A gated tile accumulates its BLOCK_N columns and, beside them, their partners.
-    ACC_N: tl.constexpr = BLOCK_N * (2 if GATE != "none" else 1)
     tile = pid
     tiles_before = 0
     end = 0
@@ -259,13 +239,8 @@ def grouped_mm_kernel(
                 k_end = tl.maximum(k1, 1)
                 a_desc = operand_descriptor(a_g, m1, k_end, stride_am, stride_ak, BLOCK_M,
                                             BLOCK_K, A_M_CONTIGUOUS)
-                if GATE != "none":
-                    # B holds both halves, partners n1 columns apart: one box loads both.
-                    b_desc = pair_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
-                                             BLOCK_N, B_K_CONTIGUOUS)
-                else:
-                    b_desc = operand_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
-                                                BLOCK_N, B_K_CONTIGUOUS)
+                b_desc = operand_descriptor(b_g, k_end, n1, stride_bk, stride_bn, BLOCK_K,
+                                            BLOCK_N, B_K_CONTIGUOUS)
                 if C_TMA:
                     c_desc = tl.make_tensor_descriptor(
                         c_g, shape=[m1, n1], strides=[stride_cm, 1],
@@ -281,14 +256,11 @@ def grouped_mm_kernel(
                                          INDEX_64)
                     scale_cols = wrapped(n0, n1, pid_n * BLOCK_N + tl.arange(0, BLOCK_N),
                                          INDEX_64)
-                    acc = tl.zeros((BLOCK_M, ACC_N), dtype=tl.float32)
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     k = k0
                     for _ in range(k_tiles):
                         a = load_operand(a_desc, off_m, k, A_M_CONTIGUOUS)
-                        if GATE != "none":  # the tile's columns, then their partners
-                            b = load_pair(b_desc, k, off_n, B_K_CONTIGUOUS)
-                        else:
-                            b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
+                        b = load_operand(b_desc, k, off_n, B_K_CONTIGUOUS)
                         sa, sb = step_scales(sa_g, sb_g, scale_rows, scale_cols, k, k1,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn,
                                              SCALING, SA_ROWS, SB_COLS)
@@ -298,14 +270,7 @@ def grouped_mm_kernel(
                     acc = outer_scales(acc, sa_g, sb_g, scale_rows, scale_cols, stride_sam,
                                        stride_sbn, SCALING)
                     cols = widen(off_n + tl.arange(0, BLOCK_N), INDEX_64)
-                    if GATE != "none":
-                        gate, up = column_halves(acc, BLOCK_M, ACC_N)
-                        store_gated(gate, up, c_g, bias_g, pre_ptr,
-                                    pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
-                                    pid_n * BLOCK_N + tl.arange(0, BLOCK_N), m0, m1, n0, n1,
-                                    stride_cm, stride_cn, stride_bias_n, HAS_BIAS, GATE,
-                                    INDEX_64)
-                    elif C_TMA:
+                    if C_TMA:
                         acc = bias_activation(acc, bias_g, cols, n1, stride_bias_n, HAS_BIAS,
                                               "none")
                         store_tile(c_desc, acc.to(c_ptr.dtype.element_ty), off_m, off_n,

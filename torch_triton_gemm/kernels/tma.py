@@ -40,36 +40,6 @@ def load_operand(desc, row, col, ROWS_CONTIGUOUS: tl.constexpr):
 
 
 @triton.jit
-def pair_descriptor(ptr, rows, half, stride_rows, stride_cols,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                    ROWS_CONTIGUOUS: tl.constexpr):
-    """Descriptor of a [rows, 2 * half] operand as pairs of column blocks ``half`` apart (a gated
-    product's B: gate columns, then their up partners): each box holds BLOCK_COLS columns and
-    their partners (``load_pair``). Unit stride as in ``operand_descriptor``; the halves'
-    distance must be a 16-byte multiple too."""
-    if ROWS_CONTIGUOUS:
-        return tl.make_tensor_descriptor(ptr, shape=[2, half, rows],
-                                         strides=[half * stride_cols, stride_cols, 1],
-                                         block_shape=[2, BLOCK_COLS, BLOCK_ROWS])
-    else:
-        return tl.make_tensor_descriptor(ptr, shape=[rows, 2, half],
-                                         strides=[stride_rows, half, 1],
-                                         block_shape=[BLOCK_ROWS, 2, BLOCK_COLS])
-
-
-@triton.jit
-def load_pair(desc, row, col, ROWS_CONTIGUOUS: tl.constexpr):
-    """The [BLOCK_ROWS, 2 * BLOCK_COLS] tile of rows from ``row``: columns from ``col``, then
-    their partners, through a ``pair_descriptor``."""
-    if ROWS_CONTIGUOUS:
-        pair = desc.load([0, col, row])
-        return tl.reshape(pair, (2 * pair.shape[1], pair.shape[2])).T
-    else:
-        pair = desc.load([row, 0, col])
-        return tl.reshape(pair, (pair.shape[0], 2 * pair.shape[2]))
-
-
-@triton.jit
 def store_tile(desc, c, row, col, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                SUBTILE: tl.constexpr):
     """Store the [BLOCK_M, BLOCK_N] tile c at (row, col) through a descriptor of

@@ -322,12 +322,10 @@ class GroupedRouting(NamedTuple):
     ``rows[s]``. ``gate``: an activation name for a gated product (b holds 2N columns, out N:
     act(first half) * second half), or "none"; ``keep_pre``: a gated launch also stores both
     halves before the activation into a contiguous [slots, 2N] buffer (``run_grouped_launch``'s
-    ``pre``). ``gathered=False``: a's rows are the slots already (a copy in slot order), read
-    as they are, through TMA where it can; only the gate applies."""
+    ``pre``)."""
     slots: int | torch.SymInt
     gate: str = "none"
     keep_pre: bool = False
-    gathered: bool = True
 
 
 _NOT_ROUTED = ("none", "none")
@@ -351,24 +349,18 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
         # Gathered rows load through pointers, and so does b then: in a loop that also loads
         # through TMA, Triton 3.6 leaves the gathered loads unpipelined (synchronous).
         p.M, p.N = routing.slots, out.shape[1]
-        if routing.gathered:
-            use_tma = False
+        use_tma = False
     G, M, N = p.G, p.M, p.N
     if out.numel() == 0 or G == 0 and not zero_tail:
         return None
     loads = tma_loads(form, a, b, p) if use_tma is not False else pointer_loads(p)
     tma, a_strides, b_strides, flags = loads
-    if tma and routing is not None and routing.gate != "none" and (
-            p.N * b_strides[2] * b.element_size() % 16 != 0):
-        # A gated TMA launch loads each column block with its partner N columns on in one
-        # box, which needs that distance on a 16-byte boundary too.
-        tma, a_strides, b_strides, flags = pointer_loads(p)
     c_tma = tma and routing is None and _tma_stores(form, out, p)
     # A step's product added in fp32 keeps a second fp32 tile live (see the tile heuristic).
     fp32_steps = scales is not None and (scales.mode == "block" or not scales.fast_accum)
     gated = routing is not None and routing.gate != "none"
     tma_device = _device.supports_tma(a.device)
-    gathered = routing is not None and routing.gathered and tma_device
+    gathered = routing is not None and tma_device
     tile, c_tma = choose_tile(form, G, M, 2 * N if gated else N, a.element_size(),
                               tma and tma_device, out.element_size() if c_tma else 0,
                               num_sms(a.device), fp32_steps, gathered)
@@ -392,8 +384,7 @@ def prepare_grouped_launch(op: str, a: torch.Tensor, b: torch.Tensor, offs: torc
         input_precision(a.dtype), _device.interpreter_enabled() and a.dtype == torch.bfloat16,
         _needs_int64_indexing(a, b, out) or (routing is not None and routing.keep_pre
                                              and 2 * M * N > _INT32_LIMIT),
-        *(_NOT_ROUTED if routing is None else (
-            "gather" if routing.gathered else "none", routing.gate)),
+        *(_NOT_ROUTED if routing is None else ("gather", routing.gate)),
     )
     # Persistent: at most one program per SM, fewer when the groups have fewer tiles.
     grid = (_sym_min(num_sms(a.device),

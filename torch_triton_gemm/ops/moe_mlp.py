@@ -34,8 +34,7 @@ forward's FLOPs), and autograd frees them once the down half's backward has used
 the gate/up half's allocates w13's gradient; act(gate) * up is freed after the forward (the
 backward differentiates through the pre-activations). Each returns its routing (order, token
 rows, offs) beside its output, which its backward reuses. The output is the no-grad call's, to
-the bit (while tuning.MOE_GATE_UP_COPIES_ROWS is off: on, another kernel path runs the first
-launch). Called as an op with gradients, tgemm::moe_mlp keeps only its inputs and its backward
+the bit. Called as an op with gradients, tgemm::moe_mlp keeps only its inputs and its backward
 recomputes the pre-activations (tgemm::moe_gate_up's launch), to the same bits.
 
 Backward: grad_out's rows are copied into slot order once (w2's gradient reads the same
@@ -278,20 +277,16 @@ def launch_routed(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows: to
 
     "gather": out[s] = gate(a[rows[s]] @ b[e]), one launch; zero_tail writes zeros for the
     slots past offs[-1]. A gated launch given ``pre`` (contiguous [S, 2N]) also stores
-    a[rows[s]] @ b[e] there, before the activation. "slots": the same with a's rows in slot
-    order already (out[s] = gate(a[s] @ b[e]); rows is not read), loaded through TMA where
-    the GPU has it. "combine": rows [T, k] holds each token
+    a[rows[s]] @ b[e] there, before the activation. "combine": rows [T, k] holds each token
     slot's sorted position p, and out[t] = sum_j row_weights[t, j] * (a[p] @ b[e]) (weights 1
     without row_weights), the slots past offs[-1] adding nothing: the plain grouped launch
     into a [S, N] buffer (whole tiles stored through TMA where it can), then
     kernels/combine.py."""
-    if route in ("gather", "slots"):
-        gathered = route == "gather"
-        routing = GroupedRouting(out.shape[0], gate, pre is not None, gathered)
+    if route == "gather":
+        routing = GroupedRouting(rows.shape[0], gate, pre is not None)
         launch = _grouped_launch(a, b, offs, out, zero_tail, routing, traceable)
         if launch is not None:
-            run_grouped_launch(launch, a, b, offs, None, out, traceable,
-                               rows=rows if gathered else None, pre=pre)
+            run_grouped_launch(launch, a, b, offs, None, out, traceable, rows=rows, pre=pre)
         return
     tokens, top_k = rows.shape
     if out.numel() == 0:
@@ -518,11 +513,8 @@ def _moe_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, act
     order, token_rows, offs = route(topk_ids, w13.shape[0])
     pre = x.new_empty(order.shape[0], w13.shape[1])
     h = x.new_empty(order.shape[0], w13.shape[1] // 2)
-    # x's rows gathered inside the launch, or copied into slot order first (see the switch).
-    a, routed = ((x.index_select(0, token_rows), "slots") if tuning.MOE_GATE_UP_COPIES_ROWS
-                 else (x, "gather"))
-    launch_routed(a, w13.transpose(-2, -1), offs, token_rows, None, h, routed, activation, True,
-                  traceable, pre=pre)
+    launch_routed(x, w13.transpose(-2, -1), offs, token_rows, None, h, "gather", activation,
+                  True, traceable, pre=pre)
     return pre, h, order, token_rows, offs
 
 
