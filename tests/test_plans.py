@@ -1004,9 +1004,10 @@ def test_pitch_vectors_of_the_plan_model():
     """The widest copy along every narrow pitch (bytes), and the cost kernel each selects in a
     longer K loop (fitted tiles for 4-8-byte copies); one K step and the wide kernels keep
     theirs."""
-    assert plan_model.pitch_vector([400, 408]) == 8
-    assert plan_model.pitch_vector([64 + 2]) == 0 and plan_model.pitch_vector([]) == 16
-    assert plan_model.pitch_vector([400], hinted=False) == 0
+    assert plan_model.pitch_vector([(200, 2), (204, 2)]) == 8  # 400 and 408 bytes
+    assert plan_model.pitch_vector([(33, 2)]) == 0 and plan_model.pitch_vector([]) == 16
+    assert plan_model.pitch_vector([(201, 4)]) == 4 and plan_model.pitch_vector([(200, 1)]) == 8
+    assert plan_model.pitch_vector([(200, 2)], hinted=False) == 0
     assert plan_model.pitch_vector([], hinted=False) == 16
     kernel = plan_model.cost_kernel
     assert kernel("portable", True, pitch_vector=0) == "portable-narrow"

@@ -86,13 +86,14 @@ def cost_kernel(kernel: str, narrow: bool, a_m_contiguous: bool = False,
     return "portable-mcol" if a_m_contiguous else kernel
 
 
-def pitch_vector(narrow_pitches: Iterable[int], hinted: bool = True) -> int:
+def pitch_vector(narrow_pitches: Iterable[tuple[int, int]], hinted: bool = True) -> int:
     """The widest cp.async copy, in bytes (4, 8 or 16), that the portable kernel's K loop can
-    make along every one of ``narrow_pitches`` (in bytes: pitches that are not multiples of 16
-    elements); 0 where one allows none (a pitch not a multiple of 4 bytes: the loop loads
+    make along every one of ``narrow_pitches`` ((stride, element size) of each pitch that is
+    not a multiple of 16 elements), as the launcher's pitch hints tell it
+    (``tuning.pitch_alignment``); 0 where one allows none (below 4 bytes: the loop loads
     element by element), and where the kernel has no pitch hints (``hinted``:
-    ``tuning.pitch_hints_enabled``) to tell it how the pitches align."""
-    widths = [min(pitch & -pitch, 16) for pitch in narrow_pitches]
+    ``tuning.pitch_hints_enabled``)."""
+    widths = [tuning.pitch_alignment(stride, size) * size for stride, size in narrow_pitches]
     if not widths:
         return 16  # Triton sees pitches that are multiples of 16 elements itself
     return min(widths) if hinted and min(widths) >= 4 else 0

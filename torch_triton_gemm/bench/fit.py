@@ -135,7 +135,7 @@ def pitch_vector_row(r: Mapping[str, Any]) -> int:
     """The widest copy a CSV row's portable launch made along its narrow pitches
     (``plan_model.pitch_vector``; rows timed without pitch hints: 0)."""
     size = 1 if r["dtype"].startswith("fp8") else 2
-    return plan_model.pitch_vector([pitch * size for pitch in _pitches(r) if pitch % 16],
+    return plan_model.pitch_vector([(pitch, size) for pitch in _pitches(r) if pitch % 16],
                                    r.get("pitch_hints") == "True")
 
 

@@ -116,13 +116,11 @@ def _pitches(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
     The plan model weighs both, with whether TMA reads the operands as they are (``view`` of
     ``_plan``): narrow pitches still cost TMA its padded copies (5312 x 64 x 11176 bf16 on an
     H100: 207 us portable with pitch hints, 65 us TMA on a 16-byte aligned pitch)."""
-    narrow = []
-    for t in (a, b):
-        rows, cols = t.shape
-        for size, pitch in ((rows, t.stride(0)), (cols, t.stride(1))):
-            if size > 1 and pitch != 1 and pitch % 16:
-                narrow.append(pitch * t.element_size())
-    return bool(narrow), plan_model.pitch_vector(narrow, tuning.pitch_hints_enabled())
+    narrow = [(pitch, t.element_size()) for t in (a, b)
+              for size, pitch in zip(t.shape, t.stride()) if size > 1 and pitch != 1 and pitch % 16]
+    if not narrow:
+        return False, 16
+    return True, plan_model.pitch_vector(narrow, tuning.pitch_hints_enabled())
 
 
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
