@@ -838,6 +838,16 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert outer(256, 6144, 4096)[:2] == ("tma", 128)  # 96 TMA tiles of 128x128
     assert outer(128, 28672, 4096, True)[:2] == ("tma", 128)  # 896 narrow tiles
     assert outer(32, 4096, 4096) == outer(32, 4096, 4096, True)
+    # Below two waves of 128x256 tiles, 128x128 ones with 4 warps where their last wave is
+    # fuller by 0.1: 384 tiles in 2.9 waves against 192 in 1.45; not where both fill alike,
+    # nor from two waves on (M = 512 x 28672: 448 tiles in 3.4 waves, 896 in 6.8).
+    assert outer(1024, 6144, 4096, True)[:3] == ("tma", 128, 128)
+    assert tuning.heuristic_mm_plan(1024, 6144, 4096, 1, True, 132, 2, scaling="outer",
+                                    fast_accum=True).tile.num_warps == 4
+    assert tuning.heuristic_mm_plan(1024, 6144, 4096, 2, True, 132, 2).tile.block_n == 256
+    assert outer(256, 28672, 4096, True)[:3] == ("tma", 128, 256)  # 224 and 448 tiles
+    assert outer(2048, 6144, 4096, True)[:3] == ("tma", 128, 256)
+    assert outer(512, 28672, 4096, True)[:3] == ("tma", 128, 256)
     assert outer(32, 4096, 4096)[1] == 32  # decode rows keep their tiles
     # Tensorwise / rowwise, 2-16 rows: 16-row tiles unsplit, the widest of 128, 64 and 32
     # columns whose tiles number 0.55 of the SMs; else (and at one row) the K-split rule.

@@ -7,6 +7,7 @@ kernels run on CPU tensors in Triton's interpreter (see conftest.py); GPU-only t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import textwrap
@@ -865,8 +866,8 @@ def test_native_fp4_query_matches_the_gpu():
 # --- Hopper's warp-specialized precise fp8 kernel -------------------------------------------------
 
 def test_fp8_precise_plans(monkeypatch):
-    """Which products the precise kernel takes (enough 128x128 tiles for the SMs), how many
-    consumer warpgroups, and stages that fit the shared memory with every output dtype (an
+    """Which products the precise kernel takes (128x128 tiles for 0.7 of a wave of SMs), how
+    many consumer warpgroups, and stages that fit the shared memory with every output dtype (an
     H100's: 227 KB a block)."""
     monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 227 * 1024)
     assert tuning.fp8_precise_plan(128, 6144, 132, 2) is None  # 48 tiles: split-K plans
@@ -874,9 +875,18 @@ def test_fp8_precise_plans(monkeypatch):
     # Grouped: the average group's rows pick the tile; small groups keep the Triton kernel.
     assert tuning.fp8_grouped_precise_tile(32768, 2048, 512, 132, 2) is None  # 64 rows each
     assert tuning.fp8_grouped_precise_tile(2048, 2048, 8, 132, 2).block_m == 128
-    assert tuning.fp8_grouped_precise_tile(16384, 2048, 8, 132, 4) == (
-        tuning.fp8_precise_plan(2048, 2048, 132, 4).tile)
-    assert tuning.fp8_precise_plan(1024, 2048, 132, 2) is None  # 128 tiles
+    # ... in bands of 8 tile rows; single products in bands of 4.
+    assert tuning.fp8_grouped_precise_tile(16384, 2048, 8, 132, 4) == dataclasses.replace(
+        tuning.fp8_precise_plan(2048, 2048, 132, 4).tile, group_m=8)
+    assert tuning.fp8_precise_plan(2048, 2048, 132, 4).tile.group_m == 4
+    assert tuning.fp8_precise_plan(256, 4096, 132, 2) is None  # 64 tiles: 64-row tiles
+    assert tuning.fp8_precise_plan(256, 5888, 132, 2) is None  # 92 tiles: under 0.7 wave
+    most = tuning.fp8_precise_plan(256, 6016, 132, 2)  # 94 tiles
+    assert (most.kernel, most.tile.block_m) == (tuning.FP8_PRECISE_KERNEL, 128)
+    # Three consumers: 0.7 wave of their 192-row tiles (64 at M = 192, N = 8192: no), or a
+    # wave of 128x128 tiles (M = 768, N = 2816: 88 192-row tiles, 132 of 128 rows: yes).
+    assert tuning.fp8_precise_plan(192, 8192, 132, 2) is None
+    assert tuning.fp8_precise_plan(768, 2816, 132, 2).tile.block_m == 192
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
     fp32_out = tuning.fp8_precise_plan(8192, 8192, 132, 4)

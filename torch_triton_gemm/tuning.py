@@ -246,33 +246,59 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
 # The warp-specialized precise fp8 kernel (kernels/wgmma_fp8.py): 64 output rows per consumer
 # warpgroup, 128 columns, 128-deep K steps.
 FP8_PRECISE_KERNEL = "wgmma_fp8"
+# It applies from this fraction of a wave of its own output tiles on, and walks them in L2
+# bands of FP8_PRECISE_GROUP_M tile rows (grouped products: FP8_GROUPED_PRECISE_GROUP_M).
+FP8_PRECISE_MIN_WAVES = 0.7
+FP8_PRECISE_GROUP_M = 4
+FP8_GROUPED_PRECISE_GROUP_M = 8
 
 
 def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | None:
     """The plan of Hopper's warp-specialized kernel for an fp8 product with precise
     accumulation (tensorwise, rowwise or blockwise scales), or None where it does not apply:
     M under 128 (decode: the 16- and 32-row tiles stream the weights; M = 16 against N = 28672
-    ran 0.86x torch here, 0.94x on a 16-row tile) or fewer 128x128 output tiles than SMs
-    (split-K plans of the TMA kernel fill the GPU better).
+    ran 0.86x torch here, 0.94x on a 16-row tile), or its own tiles fill less than 0.7 of a
+    wave of SMs and 128x128 tiles less than one (the earlier rule, kept for the products it
+    took). Below that, 64-row tiles of the portable kernel fill the SMs better: Llama-3-8B's
+    o and down projections at M = 256 (64 tiles) ran 0.77-1.04x torch._scaled_mm on them
+    against 0.73-0.84x here.
 
     Three consumer warpgroups (192-row tiles) and 4 stages where the shared memory holds them,
     else 3: on an H100 they ran 2-15% faster than two (128 rows) at M = 2048-8192; two where
-    192-row tiles would pad M by 8% more rows than 128-row ones (M = 1024: 1152 rows)."""
-    if m < 128 or -(-m // 128) * -(-n // 128) < num_sms:
+    192-row tiles would pad M by 8% more rows than 128-row ones (M = 1024: 1152 rows).
+    Bands of 4 tile rows: on the Llama-3-8B projections at M = 2048 and 4096^3 (every plan
+    timed, docs/data/fp8-m2048-h100.csv) they tied or beat bands of 8 (up to 0.89x -> 0.97x
+    torch); held out (docs/data/fp8-group-m-ab-h100.csv: 4096 x 18944 x 3584, M = 8192
+    products, three other models' projections at M = 1536-6144, tensorwise, rowwise and
+    blockwise) 1.01x faster over 126 products, from 0.96x to 1.08x.
+
+    The 0.7 wave (one wave of 128x128 tiles before) comes from every plan timed on the
+    Llama-3-8B projections at M = 256-1024, tensorwise and rowwise
+    (docs/data/fp8-mid-m-h100.csv): at 96 and 128 tiles this kernel ran 0.89-0.95x torch, the
+    TMA kernel's precise plans 0.66-0.72x. Held out (Qwen2.5-7B's o and down projections at
+    M = 448, 112 tiles; docs/data/fp8-ab-h100.csv), the products it moves here ran 1.21-1.39x
+    faster (tensorwise, rowwise and blockwise)."""
+    if m < 128:
         return None
-    return MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_tile(m, out_size))
+    tile = _fp8_precise_tile(m, out_size, FP8_PRECISE_GROUP_M)
+    column_tiles = -(-n // 128)
+    if (-(-m // tile.block_m) * column_tiles < FP8_PRECISE_MIN_WAVES * num_sms
+            and -(-m // 128) * column_tiles < num_sms):
+        return None
+    return MMPlan(FP8_PRECISE_KERNEL, tile)
 
 
-def _fp8_precise_tile(rows: int, out_size: int) -> TileConfig:
-    """The precise fp8 kernel's tile for ``rows`` rows (of a group): three consumers unless
-    192-row tiles pad the rows by 8% more than 128-row ones, and 4 stages where the shared
-    memory holds them (operand slots and a C tile per consumer), else fewer."""
+def _fp8_precise_tile(rows: int, out_size: int, group_m: int) -> TileConfig:
+    """The precise fp8 kernel's tile for ``rows`` rows (of a group), in bands of ``group_m``
+    tile rows: three consumers unless 192-row tiles pad the rows by 8% more than 128-row
+    ones, and 4 stages where the shared memory holds them (operand slots and a C tile per
+    consumer), else fewer."""
     consumers = 3 if -(-rows // 192) * 192 <= 1.08 * (-(-rows // 128) * 128) else 2
     stages = 4
     while stages > 2 and _fp8_precise_shared(consumers, stages, out_size) > (
             _device.shared_memory_per_block(0)):
         stages -= 1
-    return _fp8_precise_tile_of(consumers, stages, 8)
+    return _fp8_precise_tile_of(consumers, stages, group_m)
 
 
 def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
@@ -300,11 +326,12 @@ def fp8_grouped_precise_tile(m: int, n: int, groups: int, num_sms: int,
     """The tile of Hopper's warp-specialized kernel for a 2-D x 3-D grouped fp8 product with
     precise accumulation (rows m split among ``groups``), or None where it does not apply:
     groups of fewer than 128 rows on average, or fewer 128x128 tiles than SMs. The tile
-    ``fp8_precise_plan`` picks for the average group's rows."""
+    ``fp8_precise_plan`` picks for the average group's rows, in bands of 8 tile rows (not
+    timed against 4 on grouped products)."""
     per_group = m // max(groups, 1)
     if per_group < 128 or max(groups, 1) * -(-per_group // 128) * -(-n // 128) < num_sms:
         return None
-    return _fp8_precise_tile(per_group, out_size)
+    return _fp8_precise_tile(per_group, out_size, FP8_GROUPED_PRECISE_GROUP_M)
 
 
 def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
@@ -327,7 +354,13 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
       4 warps when A is M-contiguous (weight gradients, x.t() @ dy: 0.77x cuBLAS against 0.70x
       with 8 warps at 1024x1024x8192);
     - at least 0.6 of a wave of 128x256 tiles: the persistent TMA kernel with 128x256 tiles,
-      its epilogue stored in two slices (wide L2 bands and 4 stages below two waves);
+      its epilogue stored in two slices (wide L2 bands and 4 stages below two waves); for
+      tensorwise and rowwise fp8 below two waves of them, 128x128 tiles with 4 warps where
+      their last wave is fuller by FP8_HALF_TILE_FILL_GAIN (fast accumulation on an H100:
+      Llama-3-8B's qkv at M = 1024, 1.45 against 2.9 waves, 0.80x -> 0.88x torch._scaled_mm,
+      docs/data/fp8-mid-m-h100.csv; held out, docs/data/fp8-ab-h100.csv: Llama-3-70B's,
+      Mistral-Nemo's and Qwen2.5-7B's projections at M = 448-1536, 1.05-1.15x faster. Not
+      from two waves on: wide gate/up projections at 3.4 waves ran 0.84-1.02x as fast);
     - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles;
     - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
       plans, see ``_scaled_tma_plan``; blockwise products of at most 128 rows take
@@ -378,6 +411,11 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
             tile = TileConfig(128, 128, 64, 8, 8, 5)
         else:
             tile = TileConfig(128, 128, 64, 8, 4, 4)
+    elif scaling == "outer" and 0.6 * num_sms <= tiles(128, 256) < 2 * num_sms and (
+            _wave_fill(tiles(128, 128), num_sms)
+            >= _wave_fill(tiles(128, 256), num_sms) + FP8_HALF_TILE_FILL_GAIN):
+        kernel = "tma"
+        tile = TileConfig(128, 128, 64, 8, 4, 4)
     elif tiles(128, 256) >= 2 * num_sms:
         kernel = "tma"
         tile = TileConfig(128, 256, 64, 8, 8, 3)
@@ -424,6 +462,11 @@ def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling
         deep = TileConfig(128, 128, 256, tile.group_m, 8, 3)
         return MMPlan("tma", deep, _split_for(m, n, k, deep, num_sms, 1), epilogue_subtile=2)
     return plan
+
+
+# How much fuller the last wave of 128x128 tiles must be than that of 128x256 ones for a
+# tensorwise or rowwise fp8 product to take them (see heuristic_mm_plan).
+FP8_HALF_TILE_FILL_GAIN = 0.1
 
 
 # Blockwise fp8 products of at most this many rows run ``_blockwise_small_plan``.
