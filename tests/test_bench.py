@@ -6,6 +6,7 @@ GPU measurements themselves run on a GPU only (``python -m torch_triton_gemm.ben
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import itertools
@@ -1212,6 +1213,14 @@ def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatc
     assert {(c.m, c.n, c.k) for c in mid} == {(4096,) * 3, (8192,) * 3, (4096, 18944, 3584)} | {
         (m, n, k) for m in (256, 512) for _, n, k in suites.LLAMA_LAYERS}
     assert len(mid) * 19 == len(scaled_cases) * 11  # every recipe and mode, shape by shape
+    # --scaled-layers: another model's projections instead of Llama-3-8B's.
+    layers = plans._scaled_layers("qkv:4608:3584, down:3584:18944")
+    assert layers == [("qkv", 4608, 3584), ("down", 3584, 18944)]
+    other = [c for c in plans._cases(["scaled"], 1, 10, (448,), layers) if c.m == 448]
+    assert {(c.name, c.n, c.k) for c in other} == {("qkv", 4608, 3584), ("down", 3584, 18944)}
+    for bad in ("qkv:4608", "qkv:0:3584", ":1:2", "qkv:4608:x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME:N:K"):
+            plans._scaled_layers(bad)
 
     def precise(case: ScaledCase, tma: bool = True) -> list[tuning.MMPlan]:
         return [p for p in plans.space_of(case, 1, tma, 132, True)

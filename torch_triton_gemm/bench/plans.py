@@ -7,6 +7,9 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
         --csv fp8-plans.csv
     python -m torch_triton_gemm.bench.plans --suites scaled --scaled-ms 256,512,1024 \\
         --ms 256,512,1024 --csv fp8-mid-m.csv
+    python -m torch_triton_gemm.bench.plans --suites scaled --chosen-only --accum precise \\
+        --scaled-layers qkv:4608:3584,o:3584:3584 --scaled-ms 448,640 --ms 448,640 \\
+        --csv fp8-held-out.csv      (another model's projections: the planner's own plans)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -56,13 +59,15 @@ AnyCase = Case | ScaledCase
 
 
 def _cases(names: Sequence[str], seed: int, count: int,
-           scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS) -> list[AnyCase]:
+           scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS,
+           scaled_layers: Sequence[tuple[str, int, int]] = suites.LLAMA_LAYERS
+           ) -> list[AnyCase]:
     cases: list[AnyCase] = []
     for name in names:
         if name == "sweep":
             cases += suites.sweep_cases(seed, count)
         elif name == "scaled":
-            cases += suites.scaled_cases(llama_ms=scaled_ms)
+            cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
             cases += suites.suite_cases(name)
     return cases
@@ -333,6 +338,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="scaled: the Llama-3-8B projections at these M (comma-separated) "
                              "instead of the suite's "
                              f"{', '.join(map(str, suites.SCALED_LLAMA_MS))}")
+    parser.add_argument("--scaled-layers", default=None, metavar="NAME:N:K,...",
+                        type=_scaled_layers,
+                        help="scaled: these projections (another model's, to judge a rule on "
+                             "shapes it was not fitted on) instead of Llama-3-8B's")
+    parser.add_argument("--accum", choices=("precise", "fast"), default=None,
+                        help="scaled: only this accumulation mode")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--dtypes", default="bf16")
@@ -401,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count,
-                   scaled_ms)
+                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:
@@ -416,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.recipes is not None:
         recipes = set(args.recipes.split(","))
         cases = [c for c in cases if not isinstance(c, ScaledCase) or c.recipe in recipes]
+    if args.accum is not None:
+        cases = [c for c in cases if not isinstance(c, ScaledCase) or c.accumulation == args.accum]
     if args.ms is not None:
         ms = {int(m) for m in args.ms.split(",")}
         cases = [case for case in cases if case.m in ms]
@@ -486,6 +499,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 writer.writerows(rows)
     print(f"timed {timed} plans in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
+
+
+def _scaled_layers(text: str) -> list[tuple[str, int, int]]:
+    """--scaled-layers: "qkv:4608:3584,o:3584:3584" -> [("qkv", 4608, 3584), ...]."""
+    layers = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        if len(parts) != 3 or not parts[0] or not all(p.isdigit() and int(p) > 0
+                                                      for p in parts[1:]):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: each projection is NAME:N:K with positive integers N and K")
+        layers.append((parts[0], int(parts[1]), int(parts[2])))
+    return layers
 
 
 def trailing_cases(path: str, below: float) -> set[tuple[str, str]]:

@@ -530,15 +530,17 @@ class ScaledCase:
 
 
 def scaled_cases(quick: bool = False,
-                 llama_ms: Sequence[int] = SCALED_LLAMA_MS) -> list[ScaledCase]:
+                 llama_ms: Sequence[int] = SCALED_LLAMA_MS,
+                 layers: Sequence[tuple[str, int, int]] = LLAMA_LAYERS) -> list[ScaledCase]:
     """The scaled suite in run order: every shape with each recipe and its accumulation modes
-    (--quick: precise only); the Llama-3-8B projections at each M of ``llama_ms``."""
+    (--quick: precise only); the projections ``layers`` ((name, N, K): Llama-3-8B's unless
+    given) at each M of ``llama_ms``."""
     if quick:
         shapes = list(QUICK_SCALED_SHAPES)
     else:
         shapes = [(_shape_name(s, s, s), s, s, s) for s in SCALED_SQUARE_SIZES]
         shapes += [(_shape_name(m, n, k), m, n, k) for m, n, k in SCALED_EXTRA_SHAPES]
-        shapes += [(name, m, n, k) for m in llama_ms for name, n, k in LLAMA_LAYERS]
+        shapes += [(name, m, n, k) for m in llama_ms for name, n, k in layers]
     return [ScaledCase(name, m, n, k, recipe, fast)
             for name, m, n, k in shapes for recipe in SCALED_RECIPES
             for fast in (SCALED_ACCUMULATION[recipe][:1] if quick
