@@ -848,6 +848,8 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert outer(256, 28672, 4096, True)[:3] == ("tma", 128, 256)  # 224 and 448 tiles
     assert outer(2048, 6144, 4096, True)[:3] == ("tma", 128, 256)
     assert outer(512, 28672, 4096, True)[:3] == ("tma", 128, 256)
+    # Precise products the Gluon kernel does not take keep the deep-step plan there.
+    assert outer(1024, 6144, 4096)[:4] == ("tma", 128, 128, 256)
     assert outer(32, 4096, 4096)[1] == 32  # decode rows keep their tiles
     # Tensorwise / rowwise, 2-16 rows: 16-row tiles unsplit, the widest of 128, 64 and 32
     # columns whose tiles number 0.55 of the SMs; else (and at one row) the K-split rule.

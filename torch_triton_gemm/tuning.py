@@ -355,7 +355,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
       with 8 warps at 1024x1024x8192);
     - at least 0.6 of a wave of 128x256 tiles: the persistent TMA kernel with 128x256 tiles,
       its epilogue stored in two slices (wide L2 bands and 4 stages below two waves); for
-      tensorwise and rowwise fp8 below two waves of them, 128x128 tiles with 4 warps where
+      tensorwise and rowwise fp8 with fast accumulation below two waves of them (precise
+      products keep the deep-step plan of ``_scaled_tma_plan``), 128x128 tiles with 4 warps where
       their last wave is fuller by FP8_HALF_TILE_FILL_GAIN (fast accumulation on an H100:
       Llama-3-8B's qkv at M = 1024, 1.45 against 2.9 waves, 0.80x -> 0.88x torch._scaled_mm,
       docs/data/fp8-mid-m-h100.csv; held out, docs/data/fp8-ab-h100.csv: Llama-3-70B's,
@@ -411,7 +412,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
             tile = TileConfig(128, 128, 64, 8, 8, 5)
         else:
             tile = TileConfig(128, 128, 64, 8, 4, 4)
-    elif scaling == "outer" and 0.6 * num_sms <= tiles(128, 256) < 2 * num_sms and (
+    elif scaling == "outer" and fast_accum and 0.6 * num_sms <= tiles(128, 256) < 2 * num_sms and (
             _wave_fill(tiles(128, 128), num_sms)
             >= _wave_fill(tiles(128, 256), num_sms) + FP8_HALF_TILE_FILL_GAIN):
         kernel = "tma"
