@@ -886,6 +886,9 @@ def test_fp8_precise_plans(monkeypatch):
     # Three consumers: 0.7 wave of their 192-row tiles (64 at M = 192, N = 8192: no), or a
     # wave of 128x128 tiles (M = 768, N = 2816: 88 192-row tiles, 132 of 128 rows: yes).
     assert tuning.fp8_precise_plan(192, 8192, 132, 2) is None
+    # Under 256 rows, a full wave of 128x128 tiles as before (M = 128: 112 tiles, no; 132, yes).
+    assert tuning.fp8_precise_plan(128, 14336, 132, 2) is None
+    assert tuning.fp8_precise_plan(128, 16896, 132, 2) is not None
     assert tuning.fp8_precise_plan(768, 2816, 132, 2).tile.block_m == 192
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows

@@ -246,9 +246,11 @@ def _split_for(m: int, n: int, k: int, tile: TileConfig, num_sms: int,
 # The warp-specialized precise fp8 kernel (kernels/wgmma_fp8.py): 64 output rows per consumer
 # warpgroup, 128 columns, 128-deep K steps.
 FP8_PRECISE_KERNEL = "wgmma_fp8"
-# It applies from this fraction of a wave of its own output tiles on, and walks them in L2
-# bands of FP8_PRECISE_GROUP_M tile rows (grouped products: FP8_GROUPED_PRECISE_GROUP_M).
+# It applies from this fraction of a wave of its own output tiles on (from
+# FP8_PRECISE_PARTIAL_WAVE_ROWS rows; fewer need a full wave of 128x128 tiles), and walks them
+# in L2 bands of FP8_PRECISE_GROUP_M tile rows (grouped products: FP8_GROUPED_PRECISE_GROUP_M).
 FP8_PRECISE_MIN_WAVES = 0.7
+FP8_PRECISE_PARTIAL_WAVE_ROWS = 256
 FP8_PRECISE_GROUP_M = 4
 FP8_GROUPED_PRECISE_GROUP_M = 8
 
@@ -258,10 +260,10 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | No
     accumulation (tensorwise, rowwise or blockwise scales), or None where it does not apply:
     M under 128 (decode: the 16- and 32-row tiles stream the weights; M = 16 against N = 28672
     ran 0.86x torch here, 0.94x on a 16-row tile), or its own tiles fill less than 0.7 of a
-    wave of SMs and 128x128 tiles less than one (the earlier rule, kept for the products it
-    took). Below that, 64-row tiles of the portable kernel fill the SMs better: Llama-3-8B's
-    o and down projections at M = 256 (64 tiles) ran 0.77-1.04x torch._scaled_mm on them
-    against 0.73-0.84x here.
+    wave of SMs (or M is under 256, where that was not timed) and 128x128 tiles less than one
+    (the earlier rule, kept for the products it took). Below that, 64-row tiles of the
+    portable kernel fill the SMs better: Llama-3-8B's o and down projections at M = 256 (64
+    tiles) ran 0.77-1.04x torch._scaled_mm on them against 0.73-0.84x here.
 
     Three consumer warpgroups (192-row tiles) and 4 stages where the shared memory holds them,
     else 3: on an H100 they ran 2-15% faster than two (128 rows) at M = 2048-8192; two where
@@ -282,8 +284,9 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | No
         return None
     tile = _fp8_precise_tile(m, out_size, FP8_PRECISE_GROUP_M)
     column_tiles = -(-n // 128)
-    if (-(-m // tile.block_m) * column_tiles < FP8_PRECISE_MIN_WAVES * num_sms
-            and -(-m // 128) * column_tiles < num_sms):
+    partial_wave = (m >= FP8_PRECISE_PARTIAL_WAVE_ROWS and -(-m // tile.block_m) * column_tiles
+                    >= FP8_PRECISE_MIN_WAVES * num_sms)
+    if not partial_wave and -(-m // 128) * column_tiles < num_sms:
         return None
     return MMPlan(FP8_PRECISE_KERNEL, tile)
 
