@@ -278,7 +278,7 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | No
     Llama-3-8B projections at M = 256-1024, tensorwise and rowwise
     (docs/data/fp8-mid-m-h100.csv): at 96 and 128 tiles this kernel ran 0.89-0.95x torch, the
     TMA kernel's precise plans 0.66-0.72x. Held out (Qwen2.5-7B's o and down projections at
-    M = 448, 112 tiles; docs/data/fp8-ab-h100.csv), the products it moves here ran 1.21-1.39x
+    M = 448, 112 tiles; docs/data/fp8-ab-h100.csv), the products it moves here ran 1.21-1.36x
     faster (tensorwise, rowwise and blockwise)."""
     if m < 128:
         return None
