@@ -357,14 +357,7 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
       4 warps when A is M-contiguous (weight gradients, x.t() @ dy: 0.77x cuBLAS against 0.70x
       with 8 warps at 1024x1024x8192);
     - at least 0.6 of a wave of 128x256 tiles: the persistent TMA kernel with 128x256 tiles,
-      its epilogue stored in two slices (wide L2 bands and 4 stages below two waves); for
-      tensorwise and rowwise fp8 with fast accumulation below two waves of them (precise
-      products keep the deep-step plan of ``_scaled_tma_plan``), 128x128 tiles with 4 warps where
-      their last wave is fuller by FP8_HALF_TILE_FILL_GAIN (fast accumulation on an H100:
-      Llama-3-8B's qkv at M = 1024, 1.45 against 2.9 waves, 0.80x -> 0.88x torch._scaled_mm,
-      docs/data/fp8-mid-m-h100.csv; held out, docs/data/fp8-ab-h100.csv: Llama-3-70B's,
-      Mistral-Nemo's and Qwen2.5-7B's projections at M = 448-1536, 1.05-1.15x faster. Not
-      from two waves on: wide gate/up projections at 3.4 waves ran 0.84-1.02x as fast);
+      its epilogue stored in two slices (wide L2 bands and 4 stages below two waves);
     - otherwise 128x128 tiles when they fill most SMs, else 64x128 tiles;
     - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
       plans, see ``_scaled_tma_plan``; blockwise products of at most 128 rows take
@@ -415,11 +408,6 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
             tile = TileConfig(128, 128, 64, 8, 8, 5)
         else:
             tile = TileConfig(128, 128, 64, 8, 4, 4)
-    elif scaling == "outer" and fast_accum and 0.6 * num_sms <= tiles(128, 256) < 2 * num_sms and (
-            _wave_fill(tiles(128, 128), num_sms)
-            >= _wave_fill(tiles(128, 256), num_sms) + FP8_HALF_TILE_FILL_GAIN):
-        kernel = "tma"
-        tile = TileConfig(128, 128, 64, 8, 4, 4)
     elif tiles(128, 256) >= 2 * num_sms:
         kernel = "tma"
         tile = TileConfig(128, 256, 64, 8, 8, 3)
@@ -455,7 +443,14 @@ def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling
       tiles);
     - "outer" without fast accumulation: each K step's product is added to the fp32
       accumulator, which stalls the tensor cores once per step; 128x128 tiles with 256-deep K
-      steps halve those stalls (1018 against 865 TFLOP/s at 8192^3 on an H100, the same error).
+      steps halve those stalls (1018 against 865 TFLOP/s at 8192^3 on an H100, the same error);
+    - "outer" with fast accumulation, 128x256 tiles for 0.6 to 2 waves of the SMs: 128x128
+      tiles with 4 warps where their last wave is fuller by FP8_HALF_TILE_FILL_GAIN (on an
+      H100: Llama-3-8B's qkv at M = 1024, 1.45 against 2.9 waves, 0.80x -> 0.88x
+      torch._scaled_mm, docs/data/fp8-mid-m-h100.csv; held out, docs/data/fp8-ab-h100.csv:
+      Llama-3-70B's, Mistral-Nemo's and Qwen2.5-7B's projections at M = 448-1536, 1.05-1.15x
+      faster. Not from two waves on: wide gate/up projections at 3.4 waves ran 0.84-1.02x as
+      fast).
     """
     tile = plan.tile
     if scaling == "block" and tile.block_m == 128 and plan.split_k == 1:
@@ -465,11 +460,18 @@ def _scaled_tma_plan(plan: MMPlan, m: int, n: int, k: int, num_sms: int, scaling
             and (tile.block_m, tile.block_n, tile.block_k) == (128, 256, 128)):
         deep = TileConfig(128, 128, 256, tile.group_m, 8, 3)
         return MMPlan("tma", deep, _split_for(m, n, k, deep, num_sms, 1), epilogue_subtile=2)
+    wide = tile_count(m, n, 128, 256)
+    if (scaling == "outer" and fast_accum and (tile.block_m, tile.block_n) == (128, 256)
+            and 0.6 * num_sms <= wide < 2 * num_sms
+            and _wave_fill(tile_count(m, n, 128, 128), num_sms)
+            >= _wave_fill(wide, num_sms) + FP8_HALF_TILE_FILL_GAIN):
+        half = TileConfig(128, 128, 128, 8, 4, 4)  # fp8: BLOCK_K counts bytes as it is
+        return MMPlan("tma", half, _split_for(m, n, k, half, num_sms, 1), epilogue_subtile=2)
     return plan
 
 
 # How much fuller the last wave of 128x128 tiles must be than that of 128x256 ones for a
-# tensorwise or rowwise fp8 product to take them (see heuristic_mm_plan).
+# tensorwise or rowwise fp8 product with fast accumulation to take them (_scaled_tma_plan).
 FP8_HALF_TILE_FILL_GAIN = 0.1
 
 
