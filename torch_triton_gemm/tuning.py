@@ -100,12 +100,16 @@ MM_TILES: tuple[TileConfig, ...] = (
 INTERPRETER_TILE = TileConfig(32, 32, 32, 4, 4, 1)
 
 # moe_mlp's elementwise kernels (kernels/glu.py, kernels/combine.py): BLOCK_M rows (slots or
-# tokens) a program, BLOCK_N columns a step or a program, num_warps. Set for the gated
-# activation's backward: a few rows per program keep its row sums in one program
-# (deterministic) while the grid still has S / 32 programs; the interpreter takes wide steps
-# (per-step cost).
+# tokens) a program, BLOCK_N columns a step or a program, num_warps; the interpreter takes wide
+# steps (per-step cost).
 MOE_ELEMENTWISE_TILE = (32, 128, 4)
 INTERPRETER_MOE_ELEMENTWISE_TILE = (16, 64, 1)
+# The gated activation's backward walks a row block's columns in one program (its row sums stay
+# in one program: deterministic), so its grid has only S / BLOCK_M programs: 8 rows of 256
+# columns (S / 8 programs) took 12-14% less time than 32 x 128 at Mixtral and Qwen3 sizes and
+# came within 4% of the best of 16 tiles on each (H200; docs/data/glu-tiles-h200.csv).
+MOE_GLU_BACKWARD_TILE = (8, 256, 4)
+
 
 # Split K only while a split keeps at least this many BLOCK_K steps: fewer, and the partial
 # tiles' write and re-read cost more than the parallelism gains.
@@ -1100,8 +1104,16 @@ def heuristic_grouped_tile(m_per_group: int, n: int, element_size: int, tma: boo
 
 
 def moe_elementwise_tile() -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of moe_mlp's elementwise kernels: the gated activation's
-    forward and backward, and the combine."""
+    """(BLOCK_M, BLOCK_N, num_warps) of moe_mlp's 2-D-gridded elementwise kernels: the gated
+    activation's forward and the combine."""
     if _device.interpreter_enabled():
         return INTERPRETER_MOE_ELEMENTWISE_TILE
     return MOE_ELEMENTWISE_TILE
+
+
+def moe_glu_backward_tile() -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the gated activation's backward (kernels/glu.py), whose
+    programs each walk a whole row block."""
+    if _device.interpreter_enabled():
+        return INTERPRETER_MOE_ELEMENTWISE_TILE
+    return MOE_GLU_BACKWARD_TILE

@@ -390,7 +390,7 @@ def _glu_backward(pre: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor,
         return h_weighted, grad_pre, grad_weights
     error = _device.kernel_device_error(pre.device)
     check(error is None, lambda: f"{GLU_BACKWARD_OP}: {error}")
-    block_m, block_n, num_warps = tuning.moe_elementwise_tile()
+    block_m, block_n, num_warps = tuning.moe_glu_backward_tile()
     grid = ((slots + block_m - 1) // block_m,)
     launch_kernel(glu_backward_kernel, grid,
                   (pre, grad, weights, order, h_weighted, grad_pre, grad_weights, slots, inter,
