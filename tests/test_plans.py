@@ -864,6 +864,36 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert tuning.heuristic_mm_plan(16, 2048, 4096, 1, True, 132, 2, scaling="outer") == narrow
 
 
+def test_fp8_products_of_few_rows_run_transposed(monkeypatch):
+    """Tensorwise / rowwise fp8 products of 2-16 rows whose weight rows make 0.45 to one wave of
+    64-row tiles, or two and more, K at least 2048: transposed 64x16 tiles on the portable
+    kernel, 256-deep K steps in 6 stages within a wave and 128-deep in 4 from two waves (fewer
+    stages where shared memory is smaller); not at one row nor at 1-2 waves. Tuned plans are
+    never transposed."""
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
+
+    def swap(m, n, k):
+        p = tuning.fp8_swap_plan(m, n, k, 132)
+        return p and (p.kernel, p.swap_ab, p.tile.block_m, p.tile.block_n, p.tile.block_k,
+                      p.tile.num_stages, p.split_k)
+
+    assert swap(16, 6144, 4096) == ("portable", True, 64, 16, 256, 6, 1)  # 96 tiles
+    assert swap(2, 4096, 14336) == ("portable", True, 64, 16, 256, 6, 1)  # 64 tiles
+    assert swap(8, 8448, 4096) == ("portable", True, 64, 16, 256, 6, 1)  # 132 tiles
+    assert swap(16, 28672, 4096) == ("portable", True, 64, 16, 128, 4, 1)  # 448 tiles
+    assert swap(4, 16896, 4096) == ("portable", True, 64, 16, 128, 4, 1)  # 264 tiles
+    assert swap(16, 10240, 8192) is None  # 160 tiles: 1.2 waves
+    assert swap(1, 6144, 4096) is None and swap(17, 6144, 4096) is None
+    assert swap(16, 3712, 4096) is None  # 58 tiles
+    assert swap(16, 6144, 1024) is None  # shallow K
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 101376)
+    assert swap(16, 6144, 4096)[5] == 4
+    transposed = tuning.MMPlan("portable", tuning.TileConfig(64, 16, 256, 8, 4, 6), swap_ab=True)
+    assert not plan_cache._launchable(transposed)
+    assert plan_cache._launchable(dataclasses.replace(transposed, swap_ab=False))
+
+
 @pytest.mark.parametrize("tiles, programs, stream_k, expected", [
     (6, 4, 1, 2), (6, 4, 2, 6), (3, 4, 1, 3), (3, 4, 2, 3), (8, 4, 1, 0), (144, 132, 1, 12),
     (144, 132, 2, 144), (300, 132, 2, 168), (300, 132, 0, 0)])

@@ -727,6 +727,29 @@ def test_torch_export_keeps_the_op(device):
     assert torch.equal(exported.module()(x2), model(x2))
 
 
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_transposed_plans_of_few_rows(recipe, fast, device):
+    """A transposed plan (swap_ab: the kernel computes C^T = B^T A^T on the same memory, the
+    scales swapped) forced on products of 1-16 rows with ragged N and a K tail, through the
+    eager call and the traced op, every out dtype, against float64; with a bias it refuses."""
+    tile = tuning.TileConfig(32, 16, 32, 8, 4, 2)
+    plan = tuning.MMPlan("portable", tile, swap_ab=True)
+    for m, n, k in ((1, 40, 80), (7, 72, 96), (16, 33, 48)):
+        a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, device)
+        ref = reference(a, b, sa, sb, recipe, recipe)
+        with tuning.force_plan(plan):
+            for out_dtype in OUT_DTYPES:
+                out = tg.scaled_mm(a, b, sa, sb, None, out_dtype, use_fast_accum=fast)
+                assert out.shape == (m, n) and out.stride() == (n, 1)
+                assert rel_error(out, ref) <= TOLERANCE, (m, n, k, out_dtype)
+            traced = torch.ops.tgemm.scaled_mm(a, b, sa, sb, None, None, fast)
+            assert rel_error(traced, ref) <= TOLERANCE, (m, n, k)
+            bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+            with pytest.raises(RuntimeError, match="swap_ab"):
+                tg.scaled_mm(a, b, sa, sb, bias)
+
+
 # --- GPU only -----------------------------------------------------------------------------------
 
 GPU_RECIPES = ["tensorwise", "rowwise", "blockwise", "mxfp8", "mxfp4", "nvfp4"]
@@ -1048,3 +1071,45 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
     triton_out = _poisoned((m, n), out_dtype, "cuda")
     launch_scaled_mm(a, b, sa, sb, bias, triton_out, checked, False, traceable=True)
     assert rel_error(out, triton_out.double()) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_gpu_few_rows_run_transposed(recipe, fast):
+    """Where the planner runs a product of few rows transposed (tuning.fp8_swap_plan): the
+    first and the memoised eager call, torch.compile and a CUDA graph replayed with new
+    operands, against float64 and torch._scaled_mm's error; with a bias the plan is not
+    transposed and the answer still right."""
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    # One wave of 96 tiles; 65 tiles, the last one ragged, and a K tail; 448 tiles (3.4 waves).
+    # (N a multiple of 16: torch._scaled_mm, the error bound, needs it.)
+    for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096)):
+        a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda")
+        _, checked = _check_inputs(a, b, sa, sb, None, None)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        scales = _gemm_scales(checked, sa, sb, fast)
+        assert plan_mm(a, b, None, out, "none", False, scales).swap_ab, (m, n, k)
+        ref = reference(a, b, sa, sb, recipe, recipe)
+        theirs = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+        bound = max(TOLERANCE, 1.25 * rel_error(theirs, ref))
+        for _ in range(2):  # the second call runs the memoised launch
+            out = tg.scaled_mm(a, b, sa, sb, use_fast_accum=fast)
+            assert rel_error(out, ref) <= bound, (m, n, k)
+        compiled = torch.compile(lambda *t: tg.scaled_mm(*t, use_fast_accum=fast) * 2,
+                                 fullgraph=True)
+        assert rel_error(compiled(a, b, sa, sb), 2 * ref) <= bound
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = tg.scaled_mm(a, b, sa, sb, use_fast_accum=fast)
+        a2, b2, sa2, sb2 = quantized_pair(m, n, k, recipe, recipe, "cuda")
+        for dst, src in ((a, a2), (b, b2), (sa, sa2), (sb, sb2)):
+            _refill(dst, src)
+        graph.replay()
+        assert rel_error(static_out, reference(a, b, sa, sb, recipe, recipe)) <= bound
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        assert not plan_mm(a, b, bias, out, "none", False, scales).swap_ab
+        with_bias = tg.scaled_mm(a, b, sa, sb, bias, use_fast_accum=fast)
+        assert rel_error(with_bias, reference(a, b, sa, sb, recipe, recipe, bias)) <= bound

@@ -247,7 +247,7 @@ def _plan_from_json(key: str, entry: Any) -> MMPlan:
 
 # MMPlan fields added since the file format began: a file written before may lack them (the
 # plan then takes the field's default).
-_ADDED_FIELDS = frozenset({"split_fixup"})
+_ADDED_FIELDS = frozenset({"split_fixup", "swap_ab"})
 
 
 def _dataclass_from_json(cls: type, entry: Any, where: str) -> Any:
@@ -276,14 +276,14 @@ def _launchable(plan: MMPlan) -> bool:
     """Whether ``plan`` holds values the kernels launch with: a known kernel, power-of-two
     blocks of 16 to 1024 (tl.dot's least size; no larger tile fits an SM), a launch shape a
     GPU takes, K splits up to tuning's limit (each costs fp32 workspace), stream-K over at
-    most a few waves."""
+    most a few waves, not transposed (tuning times plans as they are, untransposed)."""
     tile = plan.tile
     return (plan.kernel in ("tma", "portable")
             and all(_power_of_two(b, 16, 1024) for b in (tile.block_m, tile.block_n, tile.block_k))
             and tile.group_m >= 1 and _power_of_two(tile.num_warps, 1, 32)
             and 1 <= tile.num_stages <= 16 and 1 <= plan.split_k <= MAX_SPLIT_K
             and _power_of_two(plan.epilogue_subtile, 1, tile.block_n)
-            and plan.programs_per_sm >= 1 and 0 <= plan.stream_k <= 4)
+            and plan.programs_per_sm >= 1 and 0 <= plan.stream_k <= 4 and not plan.swap_ab)
 
 
 TUNED = TunedPlans()

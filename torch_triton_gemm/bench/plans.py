@@ -51,7 +51,7 @@ FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pa
           "recipe", "accum", "dtype", "aligned",
           "kernel", "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages",
           "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad", "split_fixup",
-          "heuristic", "pitch_hints", "size_hints",
+          "swap_ab", "heuristic", "pitch_hints", "size_hints",
           "us", "cublas_us", "ratio", "rel_err", "error")
 
 

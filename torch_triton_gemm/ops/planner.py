@@ -31,6 +31,9 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     (M, K), N = a.shape, b.shape[1]
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
+    swapped = fp8_swap_plan(a, b, bias, activation, scales)
+    if swapped is not None:
+        return swapped
     # Inductor re-parses the kernels a traced launch names, and cannot parse Gluon: a traced
     # call that this plan suits goes through an opaque op instead (ops/scaled_mm.py).
     if scales is not None and not traceable:
@@ -78,6 +81,19 @@ def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any
     aligned = tma_args is not None and pads == (None, None)
     narrow, pitch_vector = _pitches(a, b)
     return aligned, narrow, a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1, pitch_vector
+
+
+def fp8_swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                  scales: GemmScales | None) -> tuning.MMPlan | None:
+    """The transposed plan (``tuning.fp8_swap_plan``) of a tensorwise or rowwise fp8 product of
+    a few rows (known sizes), or None: only without bias or activation (the transposed
+    product's epilogue would add the bias along its rows), with both operands contiguous along
+    K (the layout it was timed on; ``b`` as ``W.t()``), and no forced plan."""
+    if (scales is None or scales.mode != "outer" or bias is not None or activation != "none"
+            or a.device.type != "cuda" or a.stride(1) != 1 or b.stride(0) != 1
+            or tuning.forced_plan() is not None):
+        return None
+    return tuning.fp8_swap_plan(a.shape[0], b.shape[1], a.shape[1], num_sms(a.device))
 
 
 def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
