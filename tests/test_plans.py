@@ -864,6 +864,29 @@ def test_scaled_plans_keep_k_steps_inside_scale_blocks_and_deepen_precise_ones(m
     assert tuning.heuristic_mm_plan(16, 2048, 4096, 1, True, 132, 2, scaling="outer") == narrow
 
 
+@pytest.mark.parametrize("layout", ["nt", "row", "col", "sliced", "broadcast"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_transposed_plans_of_16_bit_products(device, layout, split_k):
+    """A transposed plan (swap_ab) forced on tgemm.mm: the kernel computes C^T = B^T A^T on the
+    same memory, for any operand layout, whole or split into K splits, with an activation,
+    forward and the backward's products, against float64; a bias is refused."""
+    plan = tuning.MMPlan("portable", tuning.TileConfig(32, 16, 32, 8, 4, 2), split_k=split_k,
+                         swap_ab=True)
+    a = make_operand(13, 100, torch.float16, device, layout, "a").requires_grad_()
+    b = make_operand(100, 40, torch.float16, device, layout, "b").requires_grad_()
+    with tuning.force_plan(plan):
+        out = tg.mm(a, b, None, "relu")
+        assert out.shape == (13, 40) and out.stride() == (40, 1)
+        assert rel_error(out, reference(a.detach(), b.detach(), None, "relu")) <= 1e-2
+        grad = randn(out.shape, torch.float16, device)
+        out.backward(grad)
+        with pytest.raises(RuntimeError, match="swap_ab"):
+            tg.mm(a.detach(), b.detach(), randn((40,), torch.float16, device))
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    torch.relu(a64 @ b64).backward(grad.double())
+    assert rel_error(a.grad, a64.grad) <= 1e-2 and rel_error(b.grad, b64.grad) <= 1e-2
+
+
 def test_fp8_products_of_few_rows_run_transposed(monkeypatch):
     """Tensorwise / rowwise fp8 products of 2-16 rows whose weight rows make 0.45 to one wave of
     64-row tiles, or two and more, K at least 2048: transposed 64x16 tiles on the portable

@@ -558,6 +558,28 @@ def fp8_swap_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
                   swap_ab=True)
 
 
+# Products of at most this many rows also have transposed candidates in the plan sweep
+# (``transposed_plans``).
+TRANSPOSED_SWEEP_MAX_ROWS = 32
+
+
+def transposed_plans(m: int, element_size: int) -> list[MMPlan]:
+    """Transposed candidates (``swap_ab``) of a product of ``m`` rows for the plan sweep
+    (bench.plans), 16-bit or fp8, without bias: 64-row tiles as wide as the rows' size bucket
+    (at least 16), 64- or 128-deep K steps (for 16-bit inputs; twice for fp8) in 4 or 6 stages,
+    on the portable kernel; none above TRANSPOSED_SWEEP_MAX_ROWS rows. The planner takes only
+    ``fp8_swap_plan``'s."""
+    if not 1 <= m <= TRANSPOSED_SWEEP_MAX_ROWS:
+        return []
+    width = max(16, size_bucket(m))
+    smem = _device.shared_memory_per_block(0)
+    tiles = {_fit_shared_memory(_for_dtype(TileConfig(64, width, block_k, 8, 4, stages),
+                                           element_size), element_size, smem)
+             for block_k in (64, 128) for stages in (4, 6)}
+    return [MMPlan("portable", tile, swap_ab=True)
+            for tile in sorted(tiles, key=dataclasses.astuple)]
+
+
 def _fp8_narrow_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
     """The plan of a tensorwise or rowwise fp8 product (``scaling`` "outer") of 33-256 rows
     on 64x64 tiles of the portable kernel, or None (the size rules' plan). It applies while

@@ -74,10 +74,11 @@ def read(paths: Sequence[str], before: bool = False) -> list[Timed]:
 
 
 def _timed_rows(path: str, reader: Iterable[dict[str, str]], before: bool) -> list[Timed]:
-    """The timed rows of one plan-sweep CSV's ``reader``."""
+    """The timed rows of one plan-sweep CSV's ``reader`` (transposed candidates left out: the
+    plan model costs plans as they run, untransposed)."""
     rows = []
     for r in reader:
-        if not r["us"]:
+        if not r["us"] or r.get("swap_ab") == "True":
             continue
         tile = tuning.TileConfig(*(int(r[f]) for f in (
             "block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")))

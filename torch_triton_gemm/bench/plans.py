@@ -151,13 +151,16 @@ def _chosen_of(case: AnyCase, dtype: str) -> tuning.MMPlan:
 def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned: bool,
              out_size: int = 2, wide: bool = False) -> list[tuning.MMPlan]:
     """The plans timed for ``case``: the plan space (``wide``: without its size and width
-    rules, see ``tuning.plan_space``), and for an fp8 product whose recipe Hopper's precise
+    rules, see ``tuning.plan_space``), for an fp8 product whose recipe Hopper's precise
     fp8 kernel runs (tensorwise or rowwise without fast accumulation, blockwise) on a GPU with
-    TMA, every plan of that kernel."""
+    TMA, every plan of that kernel, and for products of few rows (not blockwise) the
+    transposed candidates (``tuning.transposed_plans``)."""
     plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
                                    aligned, wide))
     if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
         plans += tuning.fp8_precise_plans(out_size)
+    if not (isinstance(case, ScaledCase) and case.recipe == "blockwise"):
+        plans += tuning.transposed_plans(case.m, element_size)
     return plans
 
 
