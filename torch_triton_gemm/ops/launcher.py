@@ -585,7 +585,8 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     elif prepared.counters_shape is not None:
         locks = split_counters(prepared.counters_shape[0], a.device, False)
     stream = _current_stream(device)
-    a, b, scale_a, scale_b = _swapped(prepared, a, b, scale_a, scale_b)
+    if prepared.plan is not None and prepared.plan.swap_ab:  # _swapped, inline (hot path)
+        a, b, scale_a, scale_b = b, a, scale_b, scale_a
     tensors = (a, b, out, bias, workspace, locks, scale_a, scale_b)
     if tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
