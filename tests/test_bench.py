@@ -1239,7 +1239,7 @@ def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatc
     assert any(p.kernel == "tma" for p in space)
     assert "recipe" in plans.FIELDS and "accum" in plans.FIELDS and "split_fixup" in plans.FIELDS
     # Few rows: transposed candidates too (not blockwise), 64 x 16 tiles at 16 rows, 64 x 32 at
-    # 17-32, none from 33 rows.
+    # 17-32, ... 64 x 128 at 65-128, none above.
     def transposed(case: ScaledCase | Case, element_size: int = 1) -> set[tuple[int, int, int]]:
         return {(p.tile.block_m, p.tile.block_n, p.tile.block_k)
                 for p in plans.space_of(case, element_size, True, 132, True) if p.swap_ab}
@@ -1248,7 +1248,9 @@ def test_plan_sweep_takes_fp8_products_with_every_precise_kernel_plan(monkeypatc
     assert transposed(Case("mm", "x", 24, 4096, 4096, "row", "col"), 2) == {(64, 32, 64),
                                                                            (64, 32, 128)}
     assert transposed(ScaledCase("x", 16, 4096, 4096, "blockwise")) == set()
-    assert transposed(ScaledCase("x", 48, 4096, 4096, "rowwise")) == set()
+    assert transposed(ScaledCase("x", 128, 4096, 4096, "rowwise")) == {(64, 128, 128),
+                                                                       (64, 128, 256)}
+    assert transposed(ScaledCase("x", 129, 4096, 4096, "rowwise")) == set()
     assert "swap_ab" in plans.FIELDS
 
 

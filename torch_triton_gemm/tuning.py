@@ -560,7 +560,7 @@ def fp8_swap_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
 
 # Products of at most this many rows also have transposed candidates in the plan sweep
 # (``transposed_plans``).
-TRANSPOSED_SWEEP_MAX_ROWS = 32
+TRANSPOSED_SWEEP_MAX_ROWS = 128
 
 
 def transposed_plans(m: int, element_size: int) -> list[MMPlan]:
