@@ -112,12 +112,13 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if plan.kernel == tuning.FP8_PRECISE_KERNEL:
         return _prepare_fp8_precise(a, b, bias, out, plan, scales)
     if plan.swap_ab:
-        # The kernels compute C^T = B^T A^T: the same memory seen transposed (run_launch and
-        # run_kept pass b's and scale_b's pointers where a's and scale_a's go).
+        # The kernels compute C^T = B^T A^T: the same memory seen transposed; run_launch and
+        # run_kept pass b's and scale_b's pointers where a's and scale_a's go (a check per
+        # launch, no call: run_kept is the eager hot path).
         check(bias is None and (scales is None or scales.mode == "outer"),
               lambda: "tgemm: a transposed (swap_ab) plan takes no bias and no block scales")
         a, b, out = b.t(), a.t(), out.t()
-        scales = None if scales is None else transposed_scales(scales)
+        scales = None if scales is None else _transposed_scales(scales)
     device = a.device
     M, K = a.shape
     N = b.shape[1]
@@ -241,7 +242,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                           counters_shape=counters)
 
 
-def transposed_scales(scales: GemmScales) -> GemmScales:
+def _transposed_scales(scales: GemmScales) -> GemmScales:
     """The "outer" scales of the transposed product C^T = B^T A^T: b's per-column scales become
     the per-row scales of its first operand and a's per-row ones the per-column scales of its
     second (the tensors themselves are swapped at launch)."""
@@ -249,17 +250,6 @@ def transposed_scales(scales: GemmScales) -> GemmScales:
     return scales._replace(scale_a=scales.scale_b, scale_b=scales.scale_a,
                            strides=(sb_cols, sb_k, sa_k, sa_rows), a_rows=scales.b_cols,
                            b_cols=scales.a_rows)
-
-
-def _swapped(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
-             scale_a: torch.Tensor | None, scale_b: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The tensors whose pointers a prepared launch passes as (a, b, scale_a, scale_b): swapped
-    for a transposed plan (``MMPlan.swap_ab``), whose strides prepare_launch took from b.t(),
-    a.t() and out.t()."""
-    if prepared.plan is not None and prepared.plan.swap_ab:
-        return b, a, scale_b, scale_a
-    return a, b, scale_a, scale_b
 
 
 def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -302,7 +292,8 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     capture of the same launches to run, or never to be (graph_descriptors.prepare)."""
     # Eager launches of the persistent TMA kernel: captured ones take host-built descriptors
     # where that variant is loaded; others prepare it (graph_descriptors).
-    a, b, scale_a, scale_b = _swapped(prepared, a, b, scale_a, scale_b)
+    if prepared.plan is not None and prepared.plan.swap_ab:  # see prepare_launch
+        a, b, scale_a, scale_b = b, a, scale_b, scale_a
     host_descriptors = prepared.kernel is mm_tma_kernel and not traceable and not _INTERPRETED
     capturing = host_descriptors and _capturing()
     host_settled = not capturing  # (a capture prepares nothing)
@@ -585,7 +576,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     elif prepared.counters_shape is not None:
         locks = split_counters(prepared.counters_shape[0], a.device, False)
     stream = _current_stream(device)
-    if prepared.plan is not None and prepared.plan.swap_ab:  # _swapped, inline (hot path)
+    if prepared.plan is not None and prepared.plan.swap_ab:  # see prepare_launch
         a, b, scale_a, scale_b = b, a, scale_b, scale_a
     tensors = (a, b, out, bias, workspace, locks, scale_a, scale_b)
     if tma:
