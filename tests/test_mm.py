@@ -601,6 +601,44 @@ def test_aot_eager_compile_matches_eager_op_bitwise(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_decode_products_run_transposed(dtype):
+    """Where the planner runs a 16-bit product of few rows transposed (tuning.swap_plan): eager
+    (first and memoised call), with an activation, torch.compile, a CUDA graph replayed with new
+    tokens and the backward's products, against float64; with a bias it is not transposed."""
+    # 96 tiles of 64 weight rows (one wave); 65 tiles, the last ragged, 32-wide, a K tail;
+    # 448 tiles (3.4 waves).
+    for m, n, k in ((2, 6144, 4096), (24, 4112, 2064), (8, 28672, 4096)):
+        x = randn((m, k), dtype, "cuda").requires_grad_()
+        w = randn((n, k), dtype, "cuda").requires_grad_()
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        assert plan_mm(x.detach(), w.detach().t(), None, out, "none", False).swap_ab, (m, n, k)
+        bound = tolerance(dtype, dtype)
+        for _ in range(2):  # the second call runs the memoised launch
+            assert rel_error(tg.mm(x.detach(), w.detach().t()),
+                             reference(x.detach(), w.detach().t())) <= bound
+        y = tg.mm(x, w.t(), None, "silu")
+        assert rel_error(y, reference(x.detach(), w.detach().t(), None, "silu")) <= bound
+        grad = randn((m, n), dtype, "cuda")
+        y.backward(grad)
+        x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+        reference(x64, w64.t(), None, "silu").backward(grad.double())
+        assert rel_error(x.grad, x64.grad) <= 2 * bound and rel_error(w.grad, w64.grad) <= 2 * bound
+        xs, ws = x.detach(), w.detach()
+        compiled = torch.compile(lambda x, w: tg.mm(x, w.t()) * 2, fullgraph=True)
+        assert rel_error(compiled(xs, ws), 2 * reference(xs, ws.t())) <= bound
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = tg.mm(xs, ws.t())
+        xs.copy_(randn((m, k), dtype, "cuda"))
+        graph.replay()
+        assert rel_error(static_out, reference(xs, ws.t())) <= bound
+        bias = randn((n,), dtype, "cuda")
+        assert not plan_mm(xs, ws.t(), bias, out, "none", False).swap_ab
+        assert rel_error(tg.mm(xs, ws.t(), bias), reference(xs, ws.t(), bias)) <= bound
+
+
+@pytest.mark.gpu
 def test_inductor_output_code_has_the_kernel():
     from torch._inductor.utils import run_and_get_code
 

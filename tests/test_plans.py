@@ -887,29 +887,37 @@ def test_transposed_plans_of_16_bit_products(device, layout, split_k):
     assert rel_error(a.grad, a64.grad) <= 1e-2 and rel_error(b.grad, b64.grad) <= 1e-2
 
 
-def test_fp8_products_of_few_rows_run_transposed(monkeypatch):
-    """Tensorwise / rowwise fp8 products of 2-16 rows whose weight rows make 0.45 to one wave of
-    64-row tiles, or two and more, K at least 2048: transposed 64x16 tiles on the portable
-    kernel, 256-deep K steps in 6 stages within a wave and 128-deep in 4 from two waves (fewer
-    stages where shared memory is smaller); not at one row nor at 1-2 waves. Tuned plans are
-    never transposed."""
+def test_products_of_few_rows_run_transposed(monkeypatch):
+    """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45 to
+    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16) two waves and more, K at
+    least 2048: transposed 64x16 tiles (64x32 above 16 rows) on the portable kernel, 256-byte K
+    steps in 6 stages within a wave and 128-deep in 4 from two waves (fewer stages where shared
+    memory is smaller); not at one row nor at 1-2 waves, nor for fp32. Tuned plans are never
+    transposed."""
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
 
-    def swap(m, n, k):
-        p = tuning.fp8_swap_plan(m, n, k, 132)
+    def swap(m, n, k, size=1):
+        p = tuning.swap_plan(m, n, k, size, 132)
         return p and (p.kernel, p.swap_ab, p.tile.block_m, p.tile.block_n, p.tile.block_k,
                       p.tile.num_stages, p.split_k)
 
     assert swap(16, 6144, 4096) == ("portable", True, 64, 16, 256, 6, 1)  # 96 tiles
     assert swap(2, 4096, 14336) == ("portable", True, 64, 16, 256, 6, 1)  # 64 tiles
     assert swap(8, 8448, 4096) == ("portable", True, 64, 16, 256, 6, 1)  # 132 tiles
+    assert swap(32, 4096, 4096) == ("portable", True, 64, 32, 256, 6, 1)
+    assert swap(17, 6144, 4096, 2) == ("portable", True, 64, 32, 128, 6, 1)
+    assert swap(2, 6144, 4096, 2) == ("portable", True, 64, 16, 128, 6, 1)
     assert swap(16, 28672, 4096) == ("portable", True, 64, 16, 128, 4, 1)  # 448 tiles
+    assert swap(32, 28672, 4096) == ("portable", True, 64, 32, 128, 4, 1)
     assert swap(4, 16896, 4096) == ("portable", True, 64, 16, 128, 4, 1)  # 264 tiles
+    assert swap(16, 28672, 4096, 2) == ("portable", True, 64, 16, 128, 4, 1)
+    assert swap(17, 28672, 4096, 2) is None and swap(3, 28672, 4096) is None
     assert swap(16, 10240, 8192) is None  # 160 tiles: 1.2 waves
-    assert swap(1, 6144, 4096) is None and swap(17, 6144, 4096) is None
+    assert swap(1, 6144, 4096) is None and swap(33, 6144, 4096) is None
     assert swap(16, 3712, 4096) is None  # 58 tiles
     assert swap(16, 6144, 1024) is None  # shallow K
+    assert swap(16, 6144, 4096, 4) is None
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 101376)
     assert swap(16, 6144, 4096)[5] == 4
     transposed = tuning.MMPlan("portable", tuning.TileConfig(64, 16, 256, 8, 4, 6), swap_ab=True)

@@ -1077,16 +1077,16 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_gpu_few_rows_run_transposed(recipe, fast):
-    """Where the planner runs a product of few rows transposed (tuning.fp8_swap_plan): the
+    """Where the planner runs a product of few rows transposed (tuning.swap_plan): the
     first and the memoised eager call, torch.compile and a CUDA graph replayed with new
     operands, against float64 and torch._scaled_mm's error; with a bias the plan is not
     transposed and the answer still right."""
     from torch_triton_gemm.ops.planner import plan_mm
     from torch_triton_gemm.ops.scaled_mm import _gemm_scales
 
-    # One wave of 96 tiles; 65 tiles, the last one ragged, and a K tail; 448 tiles (3.4 waves).
-    # (N a multiple of 16: torch._scaled_mm, the error bound, needs it.)
-    for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096)):
+    # One wave of 96 tiles; 65 tiles, the last one ragged, and a K tail; 448 tiles (3.4 waves);
+    # 27 rows on 32-wide tiles. (N a multiple of 16: torch._scaled_mm, the error bound, needs it.)
+    for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096), (27, 4096, 14336)):
         a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda")
         _, checked = _check_inputs(a, b, sa, sb, None, None)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)

@@ -66,8 +66,8 @@ class MMPlan:
     # cost it; tuning may still find it faster for a shape.
     split_fixup: bool = False
     # The kernel computes the transposed product C^T = B^T A^T (the tile is of that product):
-    # fp8 products of a few rows then put the weight's rows, not the tokens, along the tile's
-    # 64-row side (``fp8_swap_plan``). The launcher swaps the operands; no bias.
+    # products of a few rows then put the weight's rows, not the tokens, along the tile's
+    # 64-row side (``swap_plan``). The launcher swaps the operands; no bias.
     swap_ab: bool = False
 
 
@@ -517,44 +517,54 @@ FP8_NARROW_MAX_WAVES = 3.5
 FP8_NARROW_MAX_WAVES_WIDE = 2.0
 
 
-# Tensorwise and rowwise fp8 products of FP8_SWAP_MIN_ROWS to FP8_SWAP_MAX_ROWS rows (bias-free,
-# both operands contiguous along K) run transposed (``MMPlan.swap_ab``) where the weight's rows
-# make FP8_SWAP_MIN_WAVES to one wave of 64-row tiles, or FP8_SWAP_MIN_MULTI_WAVES and more, and
-# K is at least FP8_SWAP_MIN_K (the products it was measured on).
-FP8_SWAP_MIN_ROWS = 2
-FP8_SWAP_MAX_ROWS = 16
-FP8_SWAP_MIN_WAVES = 0.45
-FP8_SWAP_MIN_MULTI_WAVES = 2.0
-FP8_SWAP_MIN_K = 2048
+# Products of few rows (fp8 tensorwise / rowwise and 16-bit; bias-free, both operands contiguous
+# along K with 16-byte pitches, K at least SWAP_MIN_K: the products it was measured on) run
+# transposed (``MMPlan.swap_ab``) where the weight's rows make SWAP_MIN_WAVES to one wave of
+# 64-row tiles (SWAP_MIN_ROWS to SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
+# (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows; SWAP_MAX_ROWS_MULTI_WAVE_16BIT for 16-bit).
+SWAP_MIN_ROWS = 2
+SWAP_MAX_ROWS = 32
+SWAP_MIN_ROWS_MULTI_WAVE = 4
+SWAP_MAX_ROWS_MULTI_WAVE_16BIT = 16
+SWAP_MIN_WAVES = 0.45
+SWAP_MIN_MULTI_WAVES = 2.0
+SWAP_MIN_K = 2048
 
 
-def fp8_swap_plan(m: int, n: int, k: int, num_sms: int) -> MMPlan | None:
-    """The transposed plan (``swap_ab``) of a tensorwise or rowwise fp8 product of ``m`` rows
-    (the caller checks the recipe, bias and layouts), or None where it does not apply. K in fp8
-    elements.
+def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan | None:
+    """The transposed plan (``swap_ab``) of a product of ``m`` rows against a weight of ``n``
+    rows, K deep, fp8 (``element_size`` 1: tensorwise or rowwise) or 16-bit (2), or None where
+    it does not apply (the caller checks the recipe, bias and layouts).
 
     Few tokens against a weight of n rows: C^T = W x^T puts the n rows along the 64-row side of
-    a 64x16 tile and the tokens along its 16 columns, so each program streams 64 weight rows
-    through the tensor cores instead of running 16-row tiles most of whose rows are padding.
-    Within a wave, 256-deep K steps in 6 stages (the most bytes in flight per SM); from two
-    waves, 128-deep steps in 4 stages (two programs per SM). Measured on an H200 (132 SMs),
-    same-run A/Bs against the untransposed plans (docs/data/fp8-swap-ab-h200.csv,
-    fp8-swap-held-h200.csv): 1.03-1.42x faster on nine held-out and Llama-3-8B products within a
-    wave at 4-16 rows, 0.98-1.16x on four of two to seven waves; at 1-2 waves (160 tiles) 0.87x
-    and at one row (where the K-split rule runs) 0.99x in geomean with some 0.7x, so neither
-    is transposed. At 64 and 128 rows the transposed tiles were not faster everywhere.
+    a 64x16 tile (64x32 above 16 rows) and the tokens along its columns, so each program streams
+    64 weight rows through the tensor cores instead of running 16- or 32-row tiles most of whose
+    rows are padding. Within a wave, 256-byte K steps in 6 stages (the most bytes in flight per
+    SM); from two waves, 128-deep K steps in 4 stages (two programs per SM). Measured on H200s
+    (132 SMs), same-run A/Bs against the untransposed plans (docs/data/fp8-swap-ab-h200.csv,
+    fp8-swap-held-h200.csv, swap-held2-h200.csv, fp8-small-plans-h200.csv,
+    decode-plans-h200.csv): fp8 within a wave 1.02-1.45x faster at 2-16 rows on 21 held-out
+    products, and at 32 rows 1.2-1.5x over the untransposed plan; fp8 from two waves at 6-16
+    rows 1.01-1.16x but 0.89-0.97x at 2 rows; at 1-2 waves (160 tiles) 0.87x; at one row
+    (where the K-split rule runs) 0.99x in geomean with some 0.7x; at 64 rows slower. 16-bit
+    decode (Llama-3-8B, bf16): within a wave 1.01-1.25x at 4-32 rows, from two waves 1.09-1.1x
+    at 4-8 rows but 0.98x at 32.
     """
-    if (_device.interpreter_enabled() or not FP8_SWAP_MIN_ROWS <= m <= FP8_SWAP_MAX_ROWS
-            or k < FP8_SWAP_MIN_K):
+    if (_device.interpreter_enabled() or element_size not in (1, 2)
+            or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < SWAP_MIN_K):
         return None
+    width = 16 if m <= 16 else 32
     tiles = -(-n // 64)
-    if FP8_SWAP_MIN_WAVES * num_sms <= tiles <= num_sms:
-        tile = TileConfig(64, 16, 256, 8, 4, 6)
-    elif tiles >= FP8_SWAP_MIN_MULTI_WAVES * num_sms:
-        tile = TileConfig(64, 16, 128, 8, 4, 4)
+    multi_wave_rows = SWAP_MAX_ROWS if element_size == 1 else SWAP_MAX_ROWS_MULTI_WAVE_16BIT
+    if SWAP_MIN_WAVES * num_sms <= tiles <= num_sms:
+        tile = TileConfig(64, width, 256 // element_size, 8, 4, 6)
+    elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms
+          and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows):
+        tile = TileConfig(64, width, 128, 8, 4, 4)
     else:
         return None
-    return MMPlan("portable", _fit_shared_memory(tile, 1, _device.shared_memory_per_block(0)),
+    return MMPlan("portable", _fit_shared_memory(tile, element_size,
+                                                 _device.shared_memory_per_block(0)),
                   swap_ab=True)
 
 
@@ -568,7 +578,7 @@ def transposed_plans(m: int, element_size: int) -> list[MMPlan]:
     (bench.plans), 16-bit or fp8, without bias: 64-row tiles as wide as the rows' size bucket
     (at least 16), 64- or 128-deep K steps (for 16-bit inputs; twice for fp8) in 4 or 6 stages,
     on the portable kernel; none above TRANSPOSED_SWEEP_MAX_ROWS rows. The planner takes only
-    ``fp8_swap_plan``'s."""
+    ``swap_plan``'s."""
     if not 1 <= m <= TRANSPOSED_SWEEP_MAX_ROWS:
         return []
     width = max(16, size_bucket(m))

@@ -31,7 +31,7 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     (M, K), N = a.shape, b.shape[1]
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
-    swapped = fp8_swap_plan(a, b, bias, activation, scales)
+    swapped = swap_plan(a, b, bias, scales)
     if swapped is not None:
         return swapped
     # Inductor re-parses the kernels a traced launch names, and cannot parse Gluon: a traced
@@ -83,17 +83,22 @@ def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any
     return aligned, narrow, a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1, pitch_vector
 
 
-def fp8_swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                  scales: GemmScales | None) -> tuning.MMPlan | None:
-    """The transposed plan (``tuning.fp8_swap_plan``) of a tensorwise or rowwise fp8 product of
-    a few rows (known sizes), or None: only without bias or activation (the transposed
-    product's epilogue would add the bias along its rows), with both operands contiguous along
-    K (the layout it was timed on; ``b`` as ``W.t()``), and no forced plan."""
-    if (scales is None or scales.mode != "outer" or bias is not None or activation != "none"
-            or a.device.type != "cuda" or a.stride(1) != 1 or b.stride(0) != 1
+def swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+              scales: GemmScales | None) -> tuning.MMPlan | None:
+    """The transposed plan (``tuning.swap_plan``) of a 16-bit product, or a tensorwise or
+    rowwise fp8 one, of a few rows (known sizes), or None: only without bias (the transposed
+    product's epilogue would add it along its rows), with both operands contiguous along K and
+    16-byte pitches (the layout it was timed on; ``b`` as ``W.t()``), and no forced plan. It
+    comes before the tuned table: the tuner's space has no transposed plans."""
+    size = a.element_size()
+    if (bias is not None or a.device.type != "cuda" or b.element_size() != size
+            or (scales is not None and scales.mode != "outer")
+            or (scales is None and size != 2)
+            or a.stride(1) != 1 or b.stride(0) != 1
+            or (a.stride(0) * size) % 16 or (b.stride(1) * size) % 16
             or tuning.forced_plan() is not None):
         return None
-    return tuning.fp8_swap_plan(a.shape[0], b.shape[1], a.shape[1], num_sms(a.device))
+    return tuning.swap_plan(a.shape[0], b.shape[1], a.shape[1], size, num_sms(a.device))
 
 
 def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
