@@ -893,11 +893,11 @@ def test_transposed_plans_of_16_bit_products(device, layout, split_k):
 
 def test_products_of_few_rows_run_transposed(monkeypatch):
     """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45 to
-    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16) two waves and more, K at
-    least 2048: transposed 64x16 tiles (64x32 above 16 rows) on the portable kernel, 256-byte K
-    steps in 6 stages within a wave and 128-deep in 4 from two waves (fewer stages where shared
-    memory is smaller); not at one row nor at 1-2 waves, nor for fp32. Tuned plans are never
-    transposed."""
+    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16; K a multiple of 128) two
+    waves and more, K at least 2048: transposed 64x16 tiles (64x32 above 16 rows) on the
+    portable kernel, 256-byte K steps in 6 stages within a wave and 128-deep in 4 from two waves
+    (fewer stages where shared memory is smaller); not at one row nor at 1-2 waves, nor for
+    fp32. Tuned plans are never transposed."""
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
 
@@ -917,6 +917,8 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     assert swap(4, 16896, 4096) == ("portable", True, 64, 16, 128, 4, 1)  # 264 tiles
     assert swap(16, 28672, 4096, 2) == ("portable", True, 64, 16, 128, 4, 1)
     assert swap(17, 28672, 4096, 2) is None and swap(3, 28672, 4096) is None
+    assert swap(16, 28672, 4160) is None and swap(8, 28672, 4160, 2) is None  # a K tail
+    assert swap(16, 6144, 4160) == ("portable", True, 64, 16, 256, 6, 1)  # within a wave
     assert swap(16, 10240, 8192) is None  # 160 tiles: 1.2 waves
     assert swap(1, 6144, 4096) is None and swap(33, 6144, 4096) is None
     assert swap(16, 3712, 4096) is None  # 58 tiles

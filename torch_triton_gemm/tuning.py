@@ -521,7 +521,8 @@ FP8_NARROW_MAX_WAVES_WIDE = 2.0
 # along K with 16-byte pitches, K at least SWAP_MIN_K: the products it was measured on) run
 # transposed (``MMPlan.swap_ab``) where the weight's rows make SWAP_MIN_WAVES to one wave of
 # 64-row tiles (SWAP_MIN_ROWS to SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
-# (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows; SWAP_MAX_ROWS_MULTI_WAVE_16BIT for 16-bit).
+# (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows, 16-bit SWAP_MAX_ROWS_MULTI_WAVE_16BIT, and K a
+# multiple of SWAP_MULTI_WAVE_BLOCK_K, the K step of those tiles).
 SWAP_MIN_ROWS = 2
 SWAP_MAX_ROWS = 32
 SWAP_MIN_ROWS_MULTI_WAVE = 4
@@ -529,6 +530,7 @@ SWAP_MAX_ROWS_MULTI_WAVE_16BIT = 16
 SWAP_MIN_WAVES = 0.45
 SWAP_MIN_MULTI_WAVES = 2.0
 SWAP_MIN_K = 2048
+SWAP_MULTI_WAVE_BLOCK_K = 128
 
 
 def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan | None:
@@ -540,15 +542,22 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan
     a 64x16 tile (64x32 above 16 rows) and the tokens along its columns, so each program streams
     64 weight rows through the tensor cores instead of running 16- or 32-row tiles most of whose
     rows are padding. Within a wave, 256-byte K steps in 6 stages (the most bytes in flight per
-    SM); from two waves, 128-deep K steps in 4 stages (two programs per SM). Measured on H200s
-    (132 SMs), same-run A/Bs against the untransposed plans (docs/data/fp8-swap-ab-h200.csv,
-    fp8-swap-held-h200.csv, swap-held2-h200.csv, fp8-small-plans-h200.csv,
-    decode-plans-h200.csv): fp8 within a wave 1.02-1.45x faster at 2-16 rows on 21 held-out
-    products, and at 32 rows 1.2-1.5x over the untransposed plan; fp8 from two waves at 6-16
-    rows 1.01-1.16x but 0.89-0.97x at 2 rows; at 1-2 waves (160 tiles) 0.87x; at one row
-    (where the K-split rule runs) 0.99x in geomean with some 0.7x; at 64 rows slower. 16-bit
-    decode (Llama-3-8B, bf16): within a wave 1.01-1.25x at 4-32 rows, from two waves 1.09-1.1x
-    at 4-8 rows but 0.98x at 32.
+    SM); from two waves, 128-deep K steps in 4 stages (two programs per SM). Within 4% of the
+    best of 52-60 transposed tiles (64 or 128 rows, 128-512-byte K steps, 3-6 stages, 4 or 8
+    warps, K split or not) on Llama-3-8B's projections.
+
+    Measured on H200s (132 SMs), same-run A/Bs of the rule on and off (docs/data/
+    swap-models-h200.csv, swap-random-h200.csv; README "Products of few rows"):
+    - fp8 within a wave: faster on every held-out model projection at 2-32 rows (1.02-1.99x;
+      at 24-32 rows 1.15-2.0x) and on every random product (34; geomean 1.36x).
+    - fp8 from two waves: 4-32 rows 1.04-1.18x geomean on held-out projections (worst 0.975x);
+      at 2 rows 0.89-0.97x, so not below 4; random products with K not a multiple of the K step
+      0.99x geomean, worst 0.84x, so not those.
+    - 16-bit: 1.05-1.33x geomean per row count on 22 held-out projections (worst 0.999x), 1.11x
+      on 50 random products (worst 0.92x); from two waves at 32 rows 0.98x on Llama-3-8B, so
+      16-bit stops at 16 rows there.
+    - Not at 1-2 waves (160 tiles: 0.87x), nor at one row (where the K-split rule runs: 0.99x
+      geomean, some 0.7x), nor above 32 rows (slower at 64).
     """
     if (_device.interpreter_enabled() or element_size not in (1, 2)
             or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < SWAP_MIN_K):
@@ -558,9 +567,9 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan
     multi_wave_rows = SWAP_MAX_ROWS if element_size == 1 else SWAP_MAX_ROWS_MULTI_WAVE_16BIT
     if SWAP_MIN_WAVES * num_sms <= tiles <= num_sms:
         tile = TileConfig(64, width, 256 // element_size, 8, 4, 6)
-    elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms
+    elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms and k % SWAP_MULTI_WAVE_BLOCK_K == 0
           and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows):
-        tile = TileConfig(64, width, 128, 8, 4, 4)
+        tile = TileConfig(64, width, SWAP_MULTI_WAVE_BLOCK_K, 8, 4, 4)
     else:
         return None
     return MMPlan("portable", _fit_shared_memory(tile, element_size,
