@@ -214,6 +214,35 @@ def test_sweep_is_a_pure_function_of_seed_and_count():
     assert proc.stdout.strip() == "|".join(repr(c) for c in suites.sweep_cases(5, 50))
 
 
+def test_few_row_sets_span_the_transposed_rules_range(monkeypatch):
+    """bench.plans' fewrows / scaled-fewrows: seeded products of 2-32 rows against 2048-65536
+    weight rows, K 2048-16384, some K not a multiple of 128 or of 16 bytes (16-bit only; fp8
+    keeps N and K multiples of 16 for torch._scaled_mm); the same for a seed, and enough of
+    them within a wave, from two waves and outside the transposed rule to judge it."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
+    cases = suites.few_row_cases(2026, 144)
+    assert cases == suites.few_row_cases(2026, 144) and cases != suites.few_row_cases(1, 144)
+    assert plans._cases(["fewrows"], 2026, 144) == cases
+    assert all(2 <= c.m <= 32 and 2048 <= c.n <= 65536 and 2048 <= c.k <= 16384
+               and c.suite == "fewrows" and (c.a_layout, c.b_layout) == ("row", "col")
+               for c in cases)
+    assert any(c.k % 8 for c in cases) and any(c.k % 128 for c in cases if c.k % 8 == 0)
+    plans_of = [tuning.swap_plan(c.m, c.n, c.k, 2, 132) if c.k % 8 == 0 else None
+                for c in cases]
+    within = [p for p, c in zip(plans_of, cases) if p and -(-c.n // 64) <= 132]
+    assert len(within) >= 20 and sum(p is not None for p in plans_of) - len(within) >= 10
+    assert sum(p is None for p in plans_of) >= 40
+    scaled = suites.few_row_scaled_cases(2027, 64)
+    assert len(scaled) == 256 and all(c.n % 16 == 0 and c.k % 16 == 0 for c in scaled)
+    assert {(c.recipe, c.fast) for c in scaled} == {
+        (r, f) for r in ("tensorwise", "rowwise") for f in (False, True)}
+    assert plans._cases(["scaled-fewrows"], 2027, 64) == scaled
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sweep_shapes_bounds_classes_and_layouts(seed):
     cases = suites.sweep_cases(seed, 400)

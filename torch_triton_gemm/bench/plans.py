@@ -10,6 +10,8 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
     python -m torch_triton_gemm.bench.plans --suites scaled --chosen-only --accum precise \\
         --scaled-layers qkv:4608:3584,o:3584:3584 --scaled-ms 448,640 --ms 448,640 \\
         --csv fp8-held-out.csv      (another model's projections: the planner's own plans)
+    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2026 --count 144 \
+        --chosen-only [--untransposed] --csv few-rows.csv   (the transposed rule on / off)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -66,6 +68,10 @@ def _cases(names: Sequence[str], seed: int, count: int,
     for name in names:
         if name == "sweep":
             cases += suites.sweep_cases(seed, count)
+        elif name == "fewrows":
+            cases += suites.few_row_cases(seed, count)
+        elif name == "scaled-fewrows":
+            cases += suites.few_row_scaled_cases(seed, count)
         elif name == "scaled":
             cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
@@ -332,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--suites", default="sweep,classes",
-                        help="comma-separated: sweep, mm suite names, scaled")
+                        help="comma-separated: sweep, mm suite names, scaled, and fewrows / "
+                             "scaled-fewrows (--count seeded 16-bit / fp8 products of 2-32 "
+                             "rows, for the transposed rule)")
     parser.add_argument("--recipes", default=None,
                         help="scaled: only these recipes (comma-separated)")
     parser.add_argument("--ms", default=None,
@@ -401,6 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--trailing: whether they leave faster plans out)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
+    parser.add_argument("--untransposed", action="store_true",
+                        help="plan as if the transposed rule (tuning.swap_plan) were off: with "
+                             "--chosen-only, the other arm of its A/B")
     parser.add_argument("--fixup-ab", action="store_true",
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
@@ -411,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the plan sweep needs a CUDA GPU")
+    if args.untransposed:
+        tuning.SWAP_MAX_ROWS = 0
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))

@@ -279,6 +279,51 @@ def sweep_cases(seed: int = SWEEP_SEED, count: int = SWEEP_COUNT) -> list[Case]:
     return [_sweep_case(rng) for _ in range(count)]
 
 
+# Products of few rows for the transposed rule (tuning.swap_plan): bench.plans' "fewrows" (16-bit)
+# and "scaled-fewrows" (fp8) sets.
+FEW_ROWS_MAX_M = 32
+FEW_ROWS_N = (2048, 65536)
+FEW_ROWS_K = (2048, 16384)
+
+
+def few_row_shapes(seed: int, count: int, fp8: bool) -> list[tuple[int, int, int]]:
+    """``count`` seeded (M, N, K): M uniform over 2..FEW_ROWS_MAX_M, N log-uniform over
+    FEW_ROWS_N, K uniform over FEW_ROWS_K; N a multiple of 64 (40%), of 16 (40%) or as drawn,
+    K a multiple of 128 (half), of 16 (30%), of 8 (10%) or as drawn. For fp8 (``fp8``) N and K
+    stay multiples of 16 (torch._scaled_mm, the peer, needs them)."""
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(count):
+        m = rng.randint(2, FEW_ROWS_MAX_M)
+        draw = rng.random()
+        n = int(math.exp(rng.uniform(*map(math.log, FEW_ROWS_N))))
+        n = n // 64 * 64 if draw < 0.4 else n // 16 * 16 if draw < 0.8 or fp8 else n
+        draw = rng.random()
+        k = rng.randint(*FEW_ROWS_K)
+        if draw < 0.5:
+            k = k // 128 * 128
+        elif draw < 0.8 or fp8:
+            k = k // 16 * 16
+        elif draw < 0.9:
+            k = k // 8 * 8
+        shapes.append((m, n, k))
+    return shapes
+
+
+def few_row_cases(seed: int, count: int) -> list[Case]:
+    """bench.plans' "fewrows" set: 16-bit products of ``few_row_shapes``, nn.Linear's layout."""
+    return [Case("fewrows", _shape_name(m, n, k), m, n, k)
+            for m, n, k in few_row_shapes(seed, count, False)]
+
+
+def few_row_scaled_cases(seed: int, count: int) -> list[ScaledCase]:
+    """bench.plans' "scaled-fewrows" set: fp8 products of ``few_row_shapes``, tensorwise and
+    rowwise, each accumulation mode."""
+    return [ScaledCase(_shape_name(m, n, k), m, n, k, recipe, fast)
+            for m, n, k in few_row_shapes(seed, count, True)
+            for recipe in ("tensorwise", "rowwise") for fast in (False, True)]
+
+
 def sweep_count(quick: bool, count: int | None) -> int:
     """The number of sweep cases: ``count``, else the full or quick default."""
     if count is not None:
