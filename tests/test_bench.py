@@ -902,6 +902,13 @@ def test_scaled_inputs_follow_torch_scaled_mm_contract(recipe):
     deq_b = b.double() * (scale_b.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
                           if recipe == "blockwise" else scale_b.double())
     assert _rel(deq_a @ deq_b, ref) < 1e-6
+    # The plan sweep's compile workers skip the fp32 reference; the operands are alike.
+    torch.manual_seed(0)
+    first = scaled.make_inputs(ScaledCase("t", m, n, k, recipe), "cpu")
+    torch.manual_seed(0)
+    operands, none = scaled.make_inputs(ScaledCase("t", m, n, k, recipe), "cpu", reference=False)
+    assert none is None and all(torch.equal(x.float(), y.float())
+                                for x, y in zip(first[0], operands, strict=True))
     if recipe != "tensorwise":
         # torch runs row and block scales on recent GPUs only (rowwise on the CPU from torch
         # 2.12); its shape checks run anywhere.

@@ -122,19 +122,20 @@ class Problem:
         return prepare_launch(a, b, None, self.out, "none", False, plan, self.scales).plan
 
 
-def problem(case: AnyCase, dtype: str, device: torch.device | str = "cuda") -> Problem:
+def problem(case: AnyCase, dtype: str, device: torch.device | str = "cuda",
+            reference: bool = True) -> Problem:
     """Fresh operands for ``case`` (``dtype`` for mm cases; fp8 cases are quantized with their
-    recipe), on ``device``."""
+    recipe), on ``device``; fp8 ones without their fp32 reference unless ``reference``."""
     device = torch.device(device)
     if isinstance(case, ScaledCase):
         from ..ops import scaled_mm as scaled_op
         from .scaled import OUT_DTYPE, make_inputs
 
-        args, reference = make_inputs(case, device)
+        args, reference_product = make_inputs(case, device, reference)
         out = torch.empty((case.m, case.n), device=device, dtype=OUT_DTYPE)
         _, recipe = scaled_op._check_inputs(*args, None, OUT_DTYPE)
         scales = scaled_op._gemm_scales(recipe, args[2], args[3], case.fast)
-        return Problem(case, args, out, scales, recipe, reference)
+        return Problem(case, args, out, scales, recipe, reference_product)
     a, b = make_operands(case, DTYPES[dtype], device)
     return Problem(case, (a, b), torch.empty((case.m, case.n), device=device, dtype=a.dtype))
 
@@ -151,7 +152,7 @@ def chosen_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.M
 
 
 def _chosen_of(case: AnyCase, dtype: str) -> tuning.MMPlan:
-    return problem(case, dtype).chosen()
+    return problem(case, dtype, reference=False).chosen()
 
 
 def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned: bool,
@@ -174,7 +175,7 @@ def case_plans(case: AnyCase, dtype: str,
                wide: bool = False) -> tuple[bool, list[tuning.MMPlan]]:
     """Whether the case's operands can be described for TMA as they are, and its plans
     (``space_of``) and, last, the planner's choice when it is not among them."""
-    p = problem(case, dtype)
+    p = problem(case, dtype, reference=False)
     a, b = p.args[:2]
     aligned = _aligned(a, b, p.out)
     plans = space_of(case, a.element_size(), _device.supports_tma(a.device),
@@ -227,7 +228,9 @@ def _compile_jobs(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]],
     its kernels, until ``deadline`` (time.time()); returns how many failed."""
     failed = 0
     for case, dtype, plans in jobs:
-        p = problem(case, dtype)
+        # No fp8 reference, and the memory handed back after each case: a dozen workers
+        # holding the largest case's fp32 copies ran a 141 GB GPU out of memory.
+        p = problem(case, dtype, reference=False)
         for plan in plans:
             if time.time() > deadline:
                 return failed
@@ -237,6 +240,7 @@ def _compile_jobs(jobs: list[tuple[AnyCase, str, list[tuning.MMPlan]]],
                 failed += 1
         torch.cuda.synchronize()
         del p
+        torch.cuda.empty_cache()
     return failed
 
 

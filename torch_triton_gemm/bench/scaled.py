@@ -65,10 +65,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
-def make_inputs(case: ScaledCase, device: torch.device | str) -> tuple[
-        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_inputs(case: ScaledCase, device: torch.device | str, reference: bool = True
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                           torch.Tensor | None]:
     """Fresh random operands quantized with the case's recipe: ((a, b, scale_a, scale_b), the
-    fp32 reference product of the dequantized operands)."""
+    fp32 reference product of the dequantized operands, or None without ``reference``: the
+    dequantized copies are fp32, four times the operands' bytes)."""
     m, n, k = case.m, case.n, case.k
     x = torch.randn(m, k, device=device)
     w = torch.randn(n, k, device=device)  # the weight, nn.Linear's [N, K]
@@ -83,6 +85,9 @@ def make_inputs(case: ScaledCase, device: torch.device | str) -> tuple[
         scale_a, scale_b = sa.t().contiguous().t(), sw.t()
     else:
         raise ValueError(f"unknown scaling recipe {case.recipe!r}")
+    del x, w
+    if not reference:
+        return (a, wq.t(), scale_a, scale_b), None
     with ieee_fp32():
         ref = dequantize(a, sa) @ dequantize(wq, sw).t()
     return (a, wq.t(), scale_a, scale_b), ref
