@@ -10,7 +10,7 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
     python -m torch_triton_gemm.bench.plans --suites scaled --chosen-only --accum precise \\
         --scaled-layers qkv:4608:3584,o:3584:3584 --scaled-ms 448,640 --ms 448,640 \\
         --csv fp8-held-out.csv      (another model's projections: the planner's own plans)
-    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2026 --count 144 \
+    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2026 --count 144 \\
         --chosen-only [--untransposed] --csv few-rows.csv   (the transposed rule on / off)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
