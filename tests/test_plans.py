@@ -931,6 +931,48 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     assert plan_cache._launchable(dataclasses.replace(transposed, swap_ab=False))
 
 
+class _CudaOperand:
+    """What planner.swap_plan reads of a CUDA operand (sizes, strides, element size), so its
+    layout rules can be checked without a GPU."""
+
+    def __init__(self, shape, strides, element_size):
+        self.shape, self._strides, self._element_size = shape, strides, element_size
+        self.device = torch.device("cuda", 0)
+
+    def stride(self, dim):
+        return self._strides[dim]
+
+    def element_size(self):
+        return self._element_size
+
+
+def test_transposed_products_need_pitches_it_won_on(monkeypatch):
+    """planner.swap_plan on CUDA operands: 16-bit rows need pitches that are multiples of 32
+    bytes (K an odd multiple of 8 lost transposed), fp8 ones of 16; both operands contiguous
+    along K (b as W.t()), no bias."""
+    monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
+    monkeypatch.setattr(planner, "num_sms", lambda device: 132)
+    one = torch.ones(())
+    outer = launcher.GemmScales("outer", one, one, (0, 0, 0, 0))
+
+    def transposed(m, n, k, size, pitch=None, bias=None, b_t=True):
+        pitch = pitch or k
+        a = _CudaOperand((m, k), (pitch, 1), size)
+        b = _CudaOperand((k, n), (1, pitch) if b_t else (n, 1), size)
+        plan = planner.swap_plan(a, b, bias, outer if size == 1 else None)
+        return plan is not None and plan.swap_ab
+
+    for size, ok, off in ((2, (4096, 4112), 4104), (1, (4096, 4112), 4104)):
+        assert all(transposed(16, 6144, k, size) for k in ok)
+        assert not transposed(16, 6144, off, size)  # 16-bit: 8208-byte rows; fp8: 4104-byte
+        assert not transposed(16, 6144, 4096, size, pitch=4096 + 8)
+    assert transposed(16, 6144, 4104, 2, pitch=4112)  # padded rows of 8224 bytes
+    assert transposed(16, 6144, 4096, 1, pitch=4112)
+    assert not transposed(16, 6144, 4096, 2, bias=one) and not transposed(16, 6144, 4096, 2,
+                                                                           b_t=False)
+
+
 @pytest.mark.parametrize("tiles, programs, stream_k, expected", [
     (6, 4, 1, 2), (6, 4, 2, 6), (3, 4, 1, 3), (3, 4, 2, 3), (8, 4, 1, 0), (144, 132, 1, 12),
     (144, 132, 2, 144), (300, 132, 2, 168), (300, 132, 0, 0)])

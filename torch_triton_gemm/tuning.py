@@ -518,7 +518,7 @@ FP8_NARROW_MAX_WAVES_WIDE = 2.0
 
 
 # Products of few rows (fp8 tensorwise / rowwise and 16-bit; bias-free, both operands contiguous
-# along K with 16-byte pitches, K at least SWAP_MIN_K: the products it was measured on) run
+# along K with SWAP_PITCH_BYTES pitches, K at least SWAP_MIN_K: the products it won on) run
 # transposed (``MMPlan.swap_ab``) where the weight's rows make SWAP_MIN_WAVES to one wave of
 # 64-row tiles (SWAP_MIN_ROWS to SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
 # (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows, 16-bit SWAP_MAX_ROWS_MULTI_WAVE_16BIT, and K a
@@ -531,6 +531,8 @@ SWAP_MIN_WAVES = 0.45
 SWAP_MIN_MULTI_WAVES = 2.0
 SWAP_MIN_K = 2048
 SWAP_MULTI_WAVE_BLOCK_K = 128
+# The operands' row pitches in bytes must be multiples of this (16 for fp8, 32 for 16-bit).
+SWAP_PITCH_BYTES = {1: 16, 2: 32}
 
 
 def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan | None:
@@ -558,6 +560,10 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan
       16-bit stops at 16 rows there.
     - Not at 1-2 waves (160 tiles: 0.87x), nor at one row (where the K-split rule runs: 0.99x
       geomean, some 0.7x), nor above 32 rows (slower at 64).
+    - 16-bit rows whose pitch is 16 bytes off a multiple of 32 (K an odd multiple of 8) lost on
+      all three random products that had one (0.74-0.93x, seeds 2026 and 2029), so the caller
+      (``planner.swap_plan``) takes 16-bit pitches that are multiples of 32 bytes
+      (SWAP_PITCH_BYTES); fp8's 16-byte pitches won (1.05-1.25x, 12 products).
     """
     if (_device.interpreter_enabled() or element_size not in (1, 2)
             or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < SWAP_MIN_K):

@@ -88,14 +88,16 @@ def swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     """The transposed plan (``tuning.swap_plan``) of a 16-bit product, or a tensorwise or
     rowwise fp8 one, of a few rows (known sizes), or None: only without bias (the transposed
     product's epilogue would add it along its rows), with both operands contiguous along K and
-    16-byte pitches (the layout it was timed on; ``b`` as ``W.t()``), and no forced plan. It
-    comes before the tuned table: the tuner's space has no transposed plans."""
+    pitches of ``tuning.SWAP_PITCH_BYTES`` (16 bytes for fp8, 32 for 16-bit: the layouts it won
+    on; ``b`` as ``W.t()``), and no forced plan. It comes before the tuned table: the tuner's
+    space has no transposed plans."""
     size = a.element_size()
+    pitch = tuning.SWAP_PITCH_BYTES.get(size, 16)
     if (bias is not None or a.device.type != "cuda" or b.element_size() != size
             or (scales is not None and scales.mode != "outer")
             or (scales is None and size != 2)
             or a.stride(1) != 1 or b.stride(0) != 1
-            or (a.stride(0) * size) % 16 or (b.stride(1) * size) % 16
+            or (a.stride(0) * size) % pitch or (b.stride(1) * size) % pitch
             or tuning.forced_plan() is not None):
         return None
     return tuning.swap_plan(a.shape[0], b.shape[1], a.shape[1], size, num_sms(a.device))
