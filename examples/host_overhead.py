@@ -78,7 +78,7 @@ def entry_points(a: torch.Tensor, b: torch.Tensor,
         "torch.ops.tgemm.mm": lambda: op(a, b, None, "none", None),
         "torch.ops.tgemm.mm, grad": lambda: op(a_grad, b, None, "none", None),
         "torch.ops.tgemm.mm, inference": _in_inference_mode(lambda: op(a, b, None, "none", None)),
-        "op body, called directly": lambda: mm_module._mm_eager(a, b, None, "none", None),
+        "op body, called directly": lambda: mm_module.mm_eager_call(a, b, None, "none", None),
         "bare triton_op (no eager kernels)": lambda: bare(a, b, None, "none", None),
         "bare triton_op, grad": lambda: bare(a_grad, b, None, "none", None),
     }
@@ -95,7 +95,10 @@ def main() -> None:
     if not GPU:
         if tg.device.interpreter_enabled():
             raise SystemExit("unset TRITON_INTERPRET: the interpreter's launches would dominate")
-        mm_module.run_launch = lambda *a, **k: None  # no GPU: time everything but the launch
+        # No GPU: time everything but the launch (CPU tensors pass the device check, and
+        # the launches, first and kept, do nothing).
+        tg.device.kernel_device_error = lambda device: None
+        mm_module.run_launch = mm_module.run_kept = lambda *a, **k: None
         print("no GPU: kernel launches replaced by a no-op\n")
     # The same op body, registered without eager kernels: what a bare triton_op costs.
     bare = define_triton_op("tgemm_host_overhead::mm", mm_module._mm_impl, mm_module._mm_fake)
