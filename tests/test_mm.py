@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm import tuning
 from torch_triton_gemm.ops import mm as mm_module
 from torch_triton_gemm.ops.launcher import launch_mm
 from torch_triton_gemm.ops.planner import plan_mm
@@ -602,12 +603,14 @@ def test_aot_eager_compile_matches_eager_op_bitwise(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_decode_products_run_transposed(dtype):
+def test_gpu_decode_products_run_transposed(dtype, monkeypatch):
     """Where the planner runs a 16-bit product of few rows transposed (tuning.swap_plan): eager
     (first and memoised call), with an activation, torch.compile, a CUDA graph replayed with new
     tokens and the backward's products, against float64; with a bias it is not transposed."""
     # 96 tiles of 64 weight rows (one wave); 65 tiles, the last ragged, 32-wide, a K tail;
-    # 448 tiles (3.4 waves).
+    # 448 tiles (3.4 waves: transposed on every GPU here, not only where the bandwidth per SM
+    # takes them, so that their tiles run on any GPU).
+    monkeypatch.setattr(tuning, "SWAP_MULTI_WAVE_MIN_GBPS_PER_SM", 0.0)
     for m, n, k in ((2, 6144, 4096), (24, 4112, 2064), (8, 28672, 4096)):
         x = randn((m, k), dtype, "cuda").requires_grad_()
         w = randn((n, k), dtype, "cuda").requires_grad_()

@@ -891,18 +891,22 @@ def test_transposed_plans_of_16_bit_products(device, layout, split_k):
     assert rel_error(a.grad, a64.grad) <= 1e-2 and rel_error(b.grad, b64.grad) <= 1e-2
 
 
+# DRAM bandwidths (GB/s) of an H100 SXM and an H200.
+H100_GBPS, H200_GBPS = 3352.0, 4915.0
+
+
 def test_products_of_few_rows_run_transposed(monkeypatch):
     """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45 to
-    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16; K a multiple of 128) two
-    waves and more, K at least 2048: transposed 64x16 tiles (64x32 above 16 rows) on the
-    portable kernel, 256-byte K steps in 6 stages within a wave and 128-deep in 4 from two waves
-    (fewer stages where shared memory is smaller); not at one row nor at 1-2 waves, nor for
-    fp32. Tuned plans are never transposed."""
+    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16; K a multiple of 128; GPUs
+    with an H200's bandwidth per SM, not an H100's) two waves and more, K at least 2048:
+    transposed 64x16 tiles (64x32 above 16 rows) on the portable kernel, 256-byte K steps in 6
+    stages within a wave and 128-deep in 4 from two waves (fewer stages where shared memory is
+    smaller); not at one row nor at 1-2 waves, nor for fp32. Tuned plans are never transposed."""
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
 
-    def swap(m, n, k, size=1):
-        p = tuning.swap_plan(m, n, k, size, 132)
+    def swap(m, n, k, size=1, dram_gbps=H200_GBPS):
+        p = tuning.swap_plan(m, n, k, size, 132, dram_gbps)
         return p and (p.kernel, p.swap_ab, p.tile.block_m, p.tile.block_n, p.tile.block_k,
                       p.tile.num_stages, p.split_k)
 
@@ -924,11 +928,37 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     assert swap(16, 3712, 4096) is None  # 58 tiles
     assert swap(16, 6144, 1024) is None  # shallow K
     assert swap(16, 6144, 4096, 4) is None
+    # An H100's 25 GB/s per SM: within a wave as above, never from two waves.
+    assert swap(16, 6144, 4096, 1, H100_GBPS) == swap(16, 6144, 4096)
+    assert swap(17, 6144, 4096, 2, H100_GBPS) == swap(17, 6144, 4096, 2)
+    assert all(swap(m, 28672, 4096, size, H100_GBPS) is None for m in (4, 16, 32)
+               for size in (1, 2))
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 101376)
     assert swap(16, 6144, 4096)[5] == 4
     transposed = tuning.MMPlan("portable", tuning.TileConfig(64, 16, 256, 8, 4, 6), swap_ab=True)
     assert not plan_cache._launchable(transposed)
     assert plan_cache._launchable(dataclasses.replace(transposed, swap_ab=False))
+
+
+def test_dram_bandwidth_of_the_device(monkeypatch):
+    """device.dram_gbps: the memory clock and bus width's peak, which the transposed rule reads;
+    an H100's where no GPU can be asked or the driver does not say."""
+    from torch_triton_gemm import device
+
+    assert device.dram_gbps(torch.device("cpu")) == H100_GBPS
+    if torch.cuda.is_available():
+        import triton.testing
+
+        assert device.dram_gbps(torch.device("cuda")) == pytest.approx(
+            triton.testing.get_dram_gbps(), rel=1e-6)
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: True)
+    device._dram_gbps.cache_clear()
+    monkeypatch.setattr(device, "_index", lambda d: 0)
+    for props, gbps in (({"mem_clock_rate": 2619000, "mem_bus_width": 5120}, 3352.32),
+                        ({}, H100_GBPS), ({"mem_clock_rate": 0, "mem_bus_width": 0}, H100_GBPS)):
+        monkeypatch.setattr(device, "_driver_properties", lambda index, props=props: props)
+        assert device.dram_gbps(torch.device("cuda")) == pytest.approx(gbps)
+        device._dram_gbps.cache_clear()
 
 
 class _CudaOperand:
@@ -953,6 +983,7 @@ def test_transposed_products_need_pitches_it_won_on(monkeypatch):
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
     monkeypatch.setattr(planner, "num_sms", lambda device: 132)
+    monkeypatch.setattr(planner._device, "dram_gbps", lambda device: H200_GBPS)
     one = torch.ones(())
     outer = launcher.GemmScales("outer", one, one, (0, 0, 0, 0))
 

@@ -1076,7 +1076,7 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_gpu_few_rows_run_transposed(recipe, fast):
+def test_gpu_few_rows_run_transposed(recipe, fast, monkeypatch):
     """Where the planner runs a product of few rows transposed (tuning.swap_plan): the
     first and the memoised eager call, torch.compile and a CUDA graph replayed with new
     operands, against float64 and torch._scaled_mm's error; with a bias the plan is not
@@ -1086,6 +1086,9 @@ def test_gpu_few_rows_run_transposed(recipe, fast):
 
     # One wave of 96 tiles; 65 tiles, the last one ragged, and a K tail; 448 tiles (3.4 waves);
     # 27 rows on 32-wide tiles. (N a multiple of 16: torch._scaled_mm, the error bound, needs it.)
+    # Two waves and more transposed on every GPU here, not only where the bandwidth per SM takes
+    # them, so that their tiles run on any GPU.
+    monkeypatch.setattr(tuning, "SWAP_MULTI_WAVE_MIN_GBPS_PER_SM", 0.0)
     for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096), (27, 4096, 14336)):
         a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda")
         _, checked = _check_inputs(a, b, sa, sb, None, None)

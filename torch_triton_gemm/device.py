@@ -9,6 +9,7 @@ import contextvars
 import functools
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -67,6 +68,35 @@ def capability(device: torch.device) -> tuple[int, int]:
     """Compute capability, e.g. (9, 0) for Hopper."""
     props = _properties(_index(device))
     return props.major, props.minor
+
+
+# DRAM bandwidth assumed when no GPU can be asked: an H100 SXM's (HBM3, 5120 bits at 2619 MHz).
+_PORTABLE_DRAM_GBPS = 3352.0
+
+
+def _driver_properties(index: int) -> dict[str, Any]:
+    import triton
+
+    return triton.runtime.driver.active.utils.get_device_properties(index)
+
+
+@functools.cache
+def _dram_gbps(index: int) -> float:
+    try:
+        props = _driver_properties(index)
+        # Double data rate: two transfers per memory clock (kHz) across the bus (bits).
+        gbps = 2 * props["mem_clock_rate"] * props["mem_bus_width"] / 8 / 1e6
+    except Exception:  # a driver that does not say: the H100's
+        return _PORTABLE_DRAM_GBPS
+    return float(gbps) if gbps > 0 else _PORTABLE_DRAM_GBPS
+
+
+def dram_gbps(device: torch.device) -> float:
+    """Peak DRAM bandwidth in GB/s from the memory clock and bus width (3352 on an H100 SXM,
+    4915 on an H200), the H100's where no GPU can be asked."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _PORTABLE_DRAM_GBPS
+    return _dram_gbps(_index(device))
 
 
 # Shared memory assumed when no GPU can be asked (tracing CUDA FakeTensors on a CPU-only host):

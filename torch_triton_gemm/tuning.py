@@ -522,7 +522,8 @@ FP8_NARROW_MAX_WAVES_WIDE = 2.0
 # transposed (``MMPlan.swap_ab``) where the weight's rows make SWAP_MIN_WAVES to one wave of
 # 64-row tiles (SWAP_MIN_ROWS to SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
 # (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows, 16-bit SWAP_MAX_ROWS_MULTI_WAVE_16BIT, and K a
-# multiple of SWAP_MULTI_WAVE_BLOCK_K, the K step of those tiles).
+# multiple of SWAP_MULTI_WAVE_BLOCK_K, the K step of those tiles; on GPUs whose DRAM bandwidth
+# per SM reaches SWAP_MULTI_WAVE_MIN_GBPS_PER_SM).
 SWAP_MIN_ROWS = 2
 SWAP_MAX_ROWS = 32
 SWAP_MIN_ROWS_MULTI_WAVE = 4
@@ -533,12 +534,17 @@ SWAP_MIN_K = 2048
 SWAP_MULTI_WAVE_BLOCK_K = 128
 # The operands' row pitches in bytes must be multiples of this (16 for fp8, 32 for 16-bit).
 SWAP_PITCH_BYTES = {1: 16, 2: 32}
+# From two waves only on GPUs whose DRAM streams at least this many GB/s per SM (an H200's 37;
+# an H100's 25 gained nothing there).
+SWAP_MULTI_WAVE_MIN_GBPS_PER_SM = 30.0
 
 
-def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan | None:
+def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
+              dram_gbps: float) -> MMPlan | None:
     """The transposed plan (``swap_ab``) of a product of ``m`` rows against a weight of ``n``
-    rows, K deep, fp8 (``element_size`` 1: tensorwise or rowwise) or 16-bit (2), or None where
-    it does not apply (the caller checks the recipe, bias and layouts).
+    rows, K deep, fp8 (``element_size`` 1: tensorwise or rowwise) or 16-bit (2), on a GPU of
+    ``num_sms`` SMs and ``dram_gbps`` GB/s of DRAM bandwidth, or None where it does not apply
+    (the caller checks the recipe, bias and layouts).
 
     Few tokens against a weight of n rows: C^T = W x^T puts the n rows along the 64-row side of
     a 64x16 tile (64x32 above 16 rows) and the tokens along its columns, so each program streams
@@ -560,6 +566,11 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan
       16-bit stops at 16 rows there.
     - Not at 1-2 waves (160 tiles: 0.87x), nor at one row (where the K-split rule runs: 0.99x
       geomean, some 0.7x), nor above 32 rows (slower at 64).
+    - H100 (same-run A/B, random seeds 2030 / 2031): within a wave 1.08x (16-bit, worst 1.02x)
+      and 1.11x (fp8, worst 1.02x) as on H200s, but from two waves 1.01x for both (fp8 at 24-32
+      rows 0.99x, worst 0.90x). Memory-bound products stream the weight either way; transposed
+      tiles gain there only where more bandwidth per SM is to be had (H200: 37 GB/s per SM,
+      H100: 25), so two waves and more take them from SWAP_MULTI_WAVE_MIN_GBPS_PER_SM.
     - 16-bit rows whose pitch is 16 bytes off a multiple of 32 (K an odd multiple of 8) lost on
       all three random products that had one (0.74-0.93x, seeds 2026 and 2029), so the caller
       (``planner.swap_plan``) takes 16-bit pitches that are multiples of 32 bytes
@@ -574,7 +585,8 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int) -> MMPlan
     if SWAP_MIN_WAVES * num_sms <= tiles <= num_sms:
         tile = TileConfig(64, width, 256 // element_size, 8, 4, 6)
     elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms and k % SWAP_MULTI_WAVE_BLOCK_K == 0
-          and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows):
+          and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows
+          and dram_gbps >= SWAP_MULTI_WAVE_MIN_GBPS_PER_SM * num_sms):
         tile = TileConfig(64, width, SWAP_MULTI_WAVE_BLOCK_K, 8, 4, 4)
     else:
         return None

@@ -100,7 +100,8 @@ def swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             or (a.stride(0) * size) % pitch or (b.stride(1) * size) % pitch
             or tuning.forced_plan() is not None):
         return None
-    return tuning.swap_plan(a.shape[0], b.shape[1], a.shape[1], size, num_sms(a.device))
+    return tuning.swap_plan(a.shape[0], b.shape[1], a.shape[1], size, num_sms(a.device),
+                            _device.dram_gbps(a.device))
 
 
 def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
