@@ -896,12 +896,13 @@ H100_GBPS, H200_GBPS = 3352.0, 4915.0
 
 
 def test_products_of_few_rows_run_transposed(monkeypatch):
-    """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45 to
-    one wave of 64-row tiles, or (4 rows and more; 16-bit at most 16; K a multiple of 128; GPUs
-    with an H200's bandwidth per SM, not an H100's) two waves and more, K at least 2048:
-    transposed 64x16 tiles (64x32 above 16 rows) on the portable kernel, 256-byte K steps in 6
-    stages within a wave and 128-deep in 4 from two waves (fewer stages where shared memory is
-    smaller); not at one row nor at 1-2 waves, nor for fp32. Tuned plans are never transposed."""
+    """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45
+    (at most 16 rows: fp8 0.3, 16-bit 0.35) to one wave of 64-row tiles, or (4 rows and more;
+    16-bit at most 16; K a multiple of 128; GPUs with an H200's bandwidth per SM, not an
+    H100's) two waves and more, K at least 2048: transposed 64x16 tiles (64x32 above 16 rows)
+    on the portable kernel, 256-byte K steps in 6 stages within a wave and 128-deep in 4 from
+    two waves (fewer stages where shared memory is smaller); not at one row nor at 1-2 waves,
+    nor for fp32. Tuned plans are never transposed."""
     monkeypatch.setattr(tuning._device, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(tuning._device, "shared_memory_per_block", lambda index: 232448)
 
@@ -925,7 +926,13 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     assert swap(16, 6144, 4160) == ("portable", True, 64, 16, 256, 6, 1)  # within a wave
     assert swap(16, 10240, 8192) is None  # 160 tiles: 1.2 waves
     assert swap(1, 6144, 4096) is None and swap(33, 6144, 4096) is None
-    assert swap(16, 3712, 4096) is None  # 58 tiles
+    # Within a wave, at most 16 rows: from 0.3 of one for fp8 (40 of 132 tiles), 0.35 for
+    # 16-bit (47 tiles); above 16 rows from 0.45 (60 tiles).
+    assert swap(16, 3712, 4096) == ("portable", True, 64, 16, 256, 6, 1)  # 58 tiles
+    assert swap(16, 2560, 4096)[:2] == ("portable", True) and swap(16, 2496, 4096) is None
+    assert swap(16, 3008, 4096, 2)[:2] == ("portable", True) and swap(16, 2944, 4096, 2) is None
+    assert swap(17, 3712, 4096) is None and swap(17, 3712, 4096, 2) is None
+    assert swap(17, 3840, 4096)[:4] == ("portable", True, 64, 32)
     assert swap(16, 6144, 1024) is None  # shallow K
     assert swap(16, 6144, 4096, 4) is None
     # An H100's 25 GB/s per SM: within a wave as above, never from two waves.

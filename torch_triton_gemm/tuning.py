@@ -528,7 +528,10 @@ SWAP_MIN_ROWS = 2
 SWAP_MAX_ROWS = 32
 SWAP_MIN_ROWS_MULTI_WAVE = 4
 SWAP_MAX_ROWS_MULTI_WAVE_16BIT = 16
+# Within a wave, from this fraction of one: products of at most 16 rows (64x16 tiles) from
+# SWAP_MIN_WAVES_16_ROWS (by element size: fp8 0.3, 16-bit 0.35), wider ones from SWAP_MIN_WAVES.
 SWAP_MIN_WAVES = 0.45
+SWAP_MIN_WAVES_16_ROWS = {1: 0.3, 2: 0.35}
 SWAP_MIN_MULTI_WAVES = 2.0
 SWAP_MIN_K = 2048
 SWAP_MULTI_WAVE_BLOCK_K = 128
@@ -571,6 +574,13 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       rows 0.99x, worst 0.90x). Memory-bound products stream the weight either way; transposed
       tiles gain there only where more bandwidth per SM is to be had (H200: 37 GB/s per SM,
       H100: 25), so two waves and more take them from SWAP_MULTI_WAVE_MIN_GBPS_PER_SM.
+    - Below 0.45 of a wave (same-run A/Bs, seeds 2040 / 2041 drawing weights of 2048-4224 rows;
+      docs/data/swap-low-fill.csv): at 2-16 rows, fp8 from 0.3 of a wave 1.09x on an H100 and
+      1.23x on an H200 (28 products each, worst 1.02x / 1.12x), 16-bit from 0.35 1.09x / 1.06x
+      (14, worst 1.01x / 0.98x); 16-bit at 0.30-0.35 0.95x on the H100 (0.90x, and one 0.35x);
+      at 17-32 rows 1.03-1.08x on the H100 but 1.01x / 1.07x on the H200 with products at
+      0.83-0.84x, so those start at 0.45 as before. Bounds read off these sets (and a sweep of
+      8 shapes' transposed tiles on the H100): not yet confirmed on a fresh seed.
     - 16-bit rows whose pitch is 16 bytes off a multiple of 32 (K an odd multiple of 8) lost on
       all three random products that had one (0.74-0.93x, seeds 2026 and 2029), so the caller
       (``planner.swap_plan``) takes 16-bit pitches that are multiples of 32 bytes
@@ -582,7 +592,8 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
     width = 16 if m <= 16 else 32
     tiles = -(-n // 64)
     multi_wave_rows = SWAP_MAX_ROWS if element_size == 1 else SWAP_MAX_ROWS_MULTI_WAVE_16BIT
-    if SWAP_MIN_WAVES * num_sms <= tiles <= num_sms:
+    min_waves = SWAP_MIN_WAVES_16_ROWS[element_size] if m <= 16 else SWAP_MIN_WAVES
+    if min_waves * num_sms <= tiles <= num_sms:
         tile = TileConfig(64, width, 256 // element_size, 8, 4, 6)
     elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms and k % SWAP_MULTI_WAVE_BLOCK_K == 0
           and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows
