@@ -577,8 +577,8 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
     - Below 0.45 of a wave (same-run A/Bs, seeds 2040 / 2041 drawing weights of 2048-4224 rows;
       docs/data/swap-low-fill.csv): at 2-16 rows, fp8 from 0.3 of a wave 1.09x on an H100 and
       1.23x on an H200 (28 products each, worst 1.02x / 1.12x), 16-bit from 0.35 1.09x / 1.06x
-      (14, worst 1.01x / 0.98x); 16-bit at 0.30-0.35 0.95x on the H100 (0.90x, and one 0.35x);
-      at 17-32 rows 1.03-1.08x on the H100 but 1.01x / 1.07x on the H200 with products at
+      (14, worst 1.01x / 0.98x); 16-bit at 0.30-0.35 0.96x on the H100 (0.90x, and one 0.35x);
+      at 17-32 rows 1.05-1.08x on the H100 but 1.01x / 1.07x on the H200 with products at
       0.83-0.84x, so those start at 0.45 as before. Bounds read off these sets (and a sweep of
       8 shapes' transposed tiles on the H100): not yet confirmed on a fresh seed.
     - 16-bit rows whose pitch is 16 bytes off a multiple of 32 (K an odd multiple of 8) lost on
