@@ -71,7 +71,7 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 # DRAM bandwidth assumed when no GPU can be asked: an H100 SXM's (HBM3, 5120 bits at 2619 MHz).
-_PORTABLE_DRAM_GBPS = 3352.0
+_PORTABLE_DRAM_GBPS = 3352.32
 
 
 def _driver_properties(index: int) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def _dram_gbps(index: int) -> float:
 
 def dram_gbps(device: torch.device) -> float:
     """Peak DRAM bandwidth in GB/s from the memory clock and bus width (3352 on an H100 SXM,
-    4915 on an H200), the H100's where no GPU can be asked."""
+    4814 on an H200), the H100's where no GPU can be asked."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return _PORTABLE_DRAM_GBPS
     return _dram_gbps(_index(device))
