@@ -243,6 +243,27 @@ def test_few_row_sets_span_the_transposed_rules_range(monkeypatch):
     assert plans._cases(["scaled-fewrows"], 2027, 64) == scaled
 
 
+def test_few_row_sets_over_a_range_of_weight_rows(monkeypatch, capsys):
+    """bench.plans --few-rows-n LO,HI draws the weights' rows over LO..HI (weights of fewer
+    64-row tiles than half a wave: the transposed rule's lower bounds), reaching below and
+    above those bounds; a bad range is refused before any GPU is asked for."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    cases = suites.few_row_cases(2040, 96, (2048, 4224))
+    assert cases == plans._cases(["fewrows"], 2040, 96, few_rows_n=(2048, 4224))
+    assert cases != suites.few_row_cases(2040, 96)
+    assert all(2048 <= c.n <= 4224 for c in cases)
+    waves = [-(-c.n // 64) / 132 for c in cases]
+    assert min(waves) < tuning.SWAP_MIN_WAVES_16_ROWS[1] and max(waves) > tuning.SWAP_MIN_WAVES
+    scaled = plans._cases(["scaled-fewrows"], 2041, 8, few_rows_n=(2048, 4224))
+    assert len(scaled) == 32 and all(2048 <= c.n <= 4224 and c.n % 16 == 0 for c in scaled)
+    for bad in ("4224,2048", "0,10", "2048", "a,b"):
+        with pytest.raises(SystemExit) as exit_info:
+            plans.main(["--few-rows-n", bad])
+        assert exit_info.value.code == 2 and "--few-rows-n" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sweep_shapes_bounds_classes_and_layouts(seed):
     cases = suites.sweep_cases(seed, 400)

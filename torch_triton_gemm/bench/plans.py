@@ -12,6 +12,9 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
         --csv fp8-held-out.csv      (another model's projections: the planner's own plans)
     python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2026 --count 144 \\
         --chosen-only [--untransposed] --csv few-rows.csv   (the transposed rule on / off)
+    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2050 --count 96 \
+        --few-rows-n 2048,4224 --chosen-only [--untransposed] --csv low-fill.csv
+        (weights of fewer 64-row tiles than half a wave: the rule's lower bounds)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -62,16 +65,16 @@ AnyCase = Case | ScaledCase
 
 def _cases(names: Sequence[str], seed: int, count: int,
            scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS,
-           scaled_layers: Sequence[tuple[str, int, int]] = suites.LLAMA_LAYERS
-           ) -> list[AnyCase]:
+           scaled_layers: Sequence[tuple[str, int, int]] = suites.LLAMA_LAYERS,
+           few_rows_n: tuple[int, int] = suites.FEW_ROWS_N) -> list[AnyCase]:
     cases: list[AnyCase] = []
     for name in names:
         if name == "sweep":
             cases += suites.sweep_cases(seed, count)
         elif name == "fewrows":
-            cases += suites.few_row_cases(seed, count)
+            cases += suites.few_row_cases(seed, count, few_rows_n)
         elif name == "scaled-fewrows":
-            cases += suites.few_row_scaled_cases(seed, count)
+            cases += suites.few_row_scaled_cases(seed, count, few_rows_n)
         elif name == "scaled":
             cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
@@ -338,6 +341,18 @@ def _plan_fields(plan: tuning.MMPlan) -> dict[str, object]:
     return {**fields, **tile}
 
 
+def _n_range(text: str) -> tuple[int, int]:
+    """``--few-rows-n``'s LO,HI: whole numbers, 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LO,HI (two whole numbers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
@@ -345,6 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated: sweep, mm suite names, scaled, and fewrows / "
                              "scaled-fewrows (--count seeded 16-bit / fp8 products of 2-32 "
                              "rows, for the transposed rule)")
+    parser.add_argument("--few-rows-n", default=suites.FEW_ROWS_N, metavar="LO,HI",
+                        type=_n_range,
+                        help="fewrows / scaled-fewrows: draw the weight's rows N over LO..HI "
+                             "(default: %(default)s), e.g. 2048,4224 for weights of fewer "
+                             "64-row tiles than half a wave")
     parser.add_argument("--recipes", default=None,
                         help="scaled: only these recipes (comma-separated)")
     parser.add_argument("--ms", default=None,
@@ -432,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
     cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count,
-                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS)
+                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS, args.few_rows_n)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:

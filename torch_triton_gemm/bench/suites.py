@@ -286,17 +286,19 @@ FEW_ROWS_N = (2048, 65536)
 FEW_ROWS_K = (2048, 16384)
 
 
-def few_row_shapes(seed: int, count: int, fp8: bool) -> list[tuple[int, int, int]]:
+def few_row_shapes(seed: int, count: int, fp8: bool,
+                   n_range: tuple[int, int] = FEW_ROWS_N) -> list[tuple[int, int, int]]:
     """``count`` seeded (M, N, K): M uniform over 2..FEW_ROWS_MAX_M, N log-uniform over
-    FEW_ROWS_N, K uniform over FEW_ROWS_K; N a multiple of 64 (40%), of 16 (40%) or as drawn,
-    K a multiple of 128 (half), of 16 (30%), of 8 (10%) or as drawn. For fp8 (``fp8``) N and K
-    stay multiples of 16 (torch._scaled_mm, the peer, needs them)."""
+    ``n_range`` (FEW_ROWS_N unless asked), K uniform over FEW_ROWS_K; N a multiple of 64
+    (40%), of 16 (40%) or as drawn, K a multiple of 128 (half), of 16 (30%), of 8 (10%) or as
+    drawn. For fp8 (``fp8``) N and K stay multiples of 16 (torch._scaled_mm, the peer, needs
+    them)."""
     rng = random.Random(seed)
     shapes = []
     for _ in range(count):
         m = rng.randint(2, FEW_ROWS_MAX_M)
         draw = rng.random()
-        n = int(math.exp(rng.uniform(*map(math.log, FEW_ROWS_N))))
+        n = int(math.exp(rng.uniform(*map(math.log, n_range))))
         n = n // 64 * 64 if draw < 0.4 else n // 16 * 16 if draw < 0.8 or fp8 else n
         draw = rng.random()
         k = rng.randint(*FEW_ROWS_K)
@@ -310,17 +312,19 @@ def few_row_shapes(seed: int, count: int, fp8: bool) -> list[tuple[int, int, int
     return shapes
 
 
-def few_row_cases(seed: int, count: int) -> list[Case]:
+def few_row_cases(seed: int, count: int,
+                  n_range: tuple[int, int] = FEW_ROWS_N) -> list[Case]:
     """bench.plans' "fewrows" set: 16-bit products of ``few_row_shapes``, nn.Linear's layout."""
     return [Case("fewrows", _shape_name(m, n, k), m, n, k)
-            for m, n, k in few_row_shapes(seed, count, False)]
+            for m, n, k in few_row_shapes(seed, count, False, n_range)]
 
 
-def few_row_scaled_cases(seed: int, count: int) -> list[ScaledCase]:
+def few_row_scaled_cases(seed: int, count: int,
+                         n_range: tuple[int, int] = FEW_ROWS_N) -> list[ScaledCase]:
     """bench.plans' "scaled-fewrows" set: fp8 products of ``few_row_shapes``, tensorwise and
     rowwise, each accumulation mode."""
     return [ScaledCase(_shape_name(m, n, k), m, n, k, recipe, fast)
-            for m, n, k in few_row_shapes(seed, count, True)
+            for m, n, k in few_row_shapes(seed, count, True, n_range)
             for recipe in ("tensorwise", "rowwise") for fast in (False, True)]
 
 
