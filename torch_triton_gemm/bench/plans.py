@@ -12,7 +12,7 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
         --csv fp8-held-out.csv      (another model's projections: the planner's own plans)
     python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2026 --count 144 \\
         --chosen-only [--untransposed] --csv few-rows.csv   (the transposed rule on / off)
-    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2050 --count 96 \
+    python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2050 --count 96 \\
         --few-rows-n 2048,4224 --chosen-only [--untransposed] --csv low-fill.csv
         (weights of fewer 64-row tiles than half a wave: the rule's lower bounds)
 
