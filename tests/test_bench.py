@@ -1586,3 +1586,20 @@ def test_fit_says_what_is_wrong_with_its_input(tmp_path, capsys):
             fit.main(argv)
         assert message in capsys.readouterr().err, argv
 
+
+
+def test_command_examples_in_docstrings_keep_their_line_breaks():
+    """A docstring example's continuation needs an escaped backslash (``\\\\``): a bare one
+    joins the two lines in the rendered text (``--help`` shows it)."""
+    import importlib
+    import pkgutil
+    import re
+
+    import torch_triton_gemm.bench as bench
+
+    for info in pkgutil.iter_modules(bench.__path__):
+        if info.name == "__main__":  # (importing it runs the benchmark)
+            continue
+        doc = importlib.import_module(f"torch_triton_gemm.bench.{info.name}").__doc__ or ""
+        for line in doc.splitlines():
+            assert not ("python -m" in line and re.search(r"\S {4,}--", line)), (info.name, line)
