@@ -1603,3 +1603,64 @@ def test_command_examples_in_docstrings_keep_their_line_breaks():
         doc = importlib.import_module(f"torch_triton_gemm.bench.{info.name}").__doc__ or ""
         for line in doc.splitlines():
             assert not ("python -m" in line and re.search(r"\S {4,}--", line)), (info.name, line)
+
+
+def _plans_csv(path, rows):
+    columns = ["suite", "name", "M", "N", "K", "dtype", "recipe", "accum", "kernel", "block_m",
+               "swap_ab", "heuristic", "us", "cublas_us", "ratio", "error"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        for row in rows:
+            ratio = round(row["cublas_us"] / row["us"], 4) if row["us"] != "" else ""
+            writer.writerow({"suite": "fewrows", "heuristic": True, "error": "",
+                             "ratio": ratio, **row})
+
+
+def test_compare_reads_an_ab_off_two_plan_csvs(tmp_path):
+    """bench.compare: cases matched across the arms, those whose plan moved apart from those
+    kept (the drift), speed-ups as base / new time with their geometric mean, worst and best,
+    the peer ratio before and after, groups by rows; failed rows, rows that are not the
+    planner's pick and cases missing from one arm left out."""
+    from torch_triton_gemm.bench import compare
+
+    rng = random.Random(7)
+    base, new, moved, kept = [], [], [], []
+    for i in range(12):
+        m = (2, 12, 24)[i % 3]
+        shape = {"name": f"{m}x{4096 + 64 * i}x4096", "M": m, "N": 4096 + 64 * i, "K": 4096,
+                 "dtype": "bf16", "recipe": "", "accum": ""}
+        t_base, t_new = rng.uniform(10, 20), rng.uniform(10, 20)
+        swap = i % 2 == 0
+        base.append({**shape, "kernel": "tma", "block_m": 32, "swap_ab": False,
+                     "us": t_base, "cublas_us": 15.0})
+        new.append({**shape, "kernel": "portable" if swap else "tma",
+                    "block_m": 64 if swap else 32, "swap_ab": swap, "us": t_new,
+                    "cublas_us": 15.0})
+        (moved if swap else kept).append((m, t_base / t_new))
+    new.append({**new[0], "heuristic": False, "us": 1.0})  # another plan of a full sweep
+    base.append({**base[1], "name": "only-in-base"})
+    new[3] = {**new[3], "error": "RuntimeError: boom", "us": ""}
+    kept = [k for i, k in enumerate(kept) if i != 1]  # case 3 (kept) failed in the new arm
+    _plans_csv(tmp_path / "base.csv", base)
+    _plans_csv(tmp_path / "new.csv", new)
+    text = compare.compare(str(tmp_path / "base.csv"), str(tmp_path / "new.csv"), "rows", 2)
+
+    def cells(label):
+        line = next(line for line in text.splitlines() if line.strip().startswith(label))
+        return line.split()[len(label.split()):]
+
+    speedups = [s for _, s in moved]
+    changed = cells("plan changed")
+    assert changed[:4] == [str(len(moved)), f"{report.geometric_mean(speedups):.3f}",
+                           f"{min(speedups):.3f}", f"{max(speedups):.3f}"]
+    assert cells("plan kept (drift)")[:2] == [str(len(kept)),
+                                              f"{report.geometric_mean([s for _, s in kept]):.3f}"]
+    assert text.startswith("11 cases in both (13 in")
+    for bucket, rows in (("2-8", 2), ("9-16", 12), ("17-32", 24)):
+        group = [s for m, s in moved if m == rows]
+        assert cells(f"changed, rows {bucket}")[:2] == [str(len(group)),
+                                                         f"{report.geometric_mean(group):.3f}"]
+    slowest = text.split("changed cases (base us -> new us):")[1].splitlines()[1:]
+    assert len(slowest) == 2 and f"({min(speedups):.3f}x)" in slowest[0]
+    assert compare.rows_bucket(1) == "1" and compare.rows_bucket(129) == "129+"
