@@ -19,14 +19,12 @@ import csv
 import sys
 from collections.abc import Iterable, Sequence
 
+from .plans import PLAN_COLUMNS
 from .report import format_table, geometric_mean
 
-# The columns that name a case, and those that name its plan (bench.plans' CSV), where present.
+# The columns that name a case (bench.plans' CSV), where present; its plan's: PLAN_COLUMNS.
 CASE_COLUMNS = ("name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pad", "recipe",
                 "accum", "dtype")
-PLAN_COLUMNS = ("kernel", "block_m", "block_n", "block_k", "group_m", "num_warps",
-                "num_stages", "split_k", "split_tail", "stream_k", "epilogue_subtile", "pad",
-                "split_fixup", "swap_ab")
 ROW_BUCKETS = ((1, "1"), (8, "2-8"), (16, "9-16"), (32, "17-32"), (128, "33-128"))
 
 

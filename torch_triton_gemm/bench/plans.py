@@ -333,11 +333,19 @@ def time_case(case: AnyCase, dtype: str, plans: list[tuning.MMPlan], aligned: bo
         yield row
 
 
+# MMPlan fields a CSV row leaves out (its tile's fields stand in for ``tile``).
+_UNWRITTEN_PLAN_FIELDS = ("tile", "warp_specialize", "programs_per_sm")
+# The columns that name a row's plan, as _plan_fields writes them.
+PLAN_COLUMNS = tuple(f.name for f in dataclasses.fields(tuning.MMPlan)
+                     if f.name not in _UNWRITTEN_PLAN_FIELDS) + tuple(
+    f.name for f in dataclasses.fields(tuning.TileConfig))
+
+
 def _plan_fields(plan: tuning.MMPlan) -> dict[str, object]:
     fields = dataclasses.asdict(plan)
     tile = fields.pop("tile")
-    fields.pop("warp_specialize")
-    fields.pop("programs_per_sm")
+    for name in _UNWRITTEN_PLAN_FIELDS[1:]:
+        fields.pop(name)
     return {**fields, **tile}
 
 
