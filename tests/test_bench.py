@@ -258,6 +258,12 @@ def test_few_row_sets_over_a_range_of_weight_rows(monkeypatch, capsys):
     assert min(waves) < tuning.SWAP_MIN_WAVES_16_ROWS[1] and max(waves) > tuning.SWAP_MIN_WAVES
     scaled = plans._cases(["scaled-fewrows"], 2041, 8, few_rows_n=(2048, 4224))
     assert len(scaled) == 32 and all(2048 <= c.n <= 4224 and c.n % 16 == 0 for c in scaled)
+    mid = plans._cases(["midrows"], 2070, 40)
+    assert mid == suites.few_row_cases(2070, 40, m_range=suites.MID_ROWS_M)
+    assert all(33 <= c.m <= 512 and c.suite == "midrows" for c in mid)
+    assert min(c.m for c in mid) < 100 and max(c.m for c in mid) > 400
+    mid_scaled = plans._cases(["scaled-midrows"], 2071, 4)
+    assert len(mid_scaled) == 16 and all(33 <= c.m <= 512 for c in mid_scaled)
     for bad in ("4224,2048", "0,10", "2048", "a,b"):
         with pytest.raises(SystemExit) as exit_info:
             plans.main(["--few-rows-n", bad])

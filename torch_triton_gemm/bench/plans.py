@@ -15,6 +15,8 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
     python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2050 --count 96 \\
         --few-rows-n 2048,4224 --chosen-only [--untransposed] --csv low-fill.csv
         (weights of fewer 64-row tiles than half a wave: the rule's lower bounds)
+    python -m torch_triton_gemm.bench.plans --suites midrows --seed 2070 --count 40 \\
+        --dtypes bf16 --csv mid-rows.csv   (every plan, the same weights against 33-512 rows)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -75,6 +77,10 @@ def _cases(names: Sequence[str], seed: int, count: int,
             cases += suites.few_row_cases(seed, count, few_rows_n)
         elif name == "scaled-fewrows":
             cases += suites.few_row_scaled_cases(seed, count, few_rows_n)
+        elif name == "midrows":
+            cases += suites.few_row_cases(seed, count, few_rows_n, suites.MID_ROWS_M)
+        elif name == "scaled-midrows":
+            cases += suites.few_row_scaled_cases(seed, count, few_rows_n, suites.MID_ROWS_M)
         elif name == "scaled":
             cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
@@ -365,9 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--suites", default="sweep,classes",
-                        help="comma-separated: sweep, mm suite names, scaled, and fewrows / "
+                        help="comma-separated: sweep, mm suite names, scaled, fewrows / "
                              "scaled-fewrows (--count seeded 16-bit / fp8 products of 2-32 "
-                             "rows, for the transposed rule)")
+                             "rows, for the transposed rule) and midrows / scaled-midrows "
+                             "(the same weights against 33-512 rows)")
     parser.add_argument("--few-rows-n", default=suites.FEW_ROWS_N, metavar="LO,HI",
                         type=_n_range,
                         help="fewrows / scaled-fewrows: draw the weight's rows N over LO..HI "

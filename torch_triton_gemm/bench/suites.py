@@ -281,22 +281,26 @@ def sweep_cases(seed: int = SWEEP_SEED, count: int = SWEEP_COUNT) -> list[Case]:
 
 # Products of few rows for the transposed rule (tuning.swap_plan): bench.plans' "fewrows" (16-bit)
 # and "scaled-fewrows" (fp8) sets.
-FEW_ROWS_MAX_M = 32
+FEW_ROWS_M = (2, 32)
 FEW_ROWS_N = (2048, 65536)
 FEW_ROWS_K = (2048, 16384)
+# bench.plans' "midrows" (16-bit) and "scaled-midrows" (fp8) sets: the same weights against a
+# batch of 33-512 rows (prefill chunks, batched decoding), where too few tiles fill the SMs.
+MID_ROWS_M = (33, 512)
 
 
 def few_row_shapes(seed: int, count: int, fp8: bool,
-                   n_range: tuple[int, int] = FEW_ROWS_N) -> list[tuple[int, int, int]]:
-    """``count`` seeded (M, N, K): M uniform over 2..FEW_ROWS_MAX_M, N log-uniform over
-    ``n_range`` (FEW_ROWS_N unless asked), K uniform over FEW_ROWS_K; N a multiple of 64
-    (40%), of 16 (40%) or as drawn, K a multiple of 128 (half), of 16 (30%), of 8 (10%) or as
-    drawn. For fp8 (``fp8``) N and K stay multiples of 16 (torch._scaled_mm, the peer, needs
-    them)."""
+                   n_range: tuple[int, int] = FEW_ROWS_N,
+                   m_range: tuple[int, int] = FEW_ROWS_M) -> list[tuple[int, int, int]]:
+    """``count`` seeded (M, N, K): M uniform over ``m_range`` (FEW_ROWS_M unless asked), N
+    log-uniform over ``n_range`` (FEW_ROWS_N unless asked), K uniform over FEW_ROWS_K; N a
+    multiple of 64 (40%), of 16 (40%) or as drawn, K a multiple of 128 (half), of 16 (30%),
+    of 8 (10%) or as drawn. For fp8 (``fp8``) N and K stay multiples of 16
+    (torch._scaled_mm, the peer, needs them)."""
     rng = random.Random(seed)
     shapes = []
     for _ in range(count):
-        m = rng.randint(2, FEW_ROWS_MAX_M)
+        m = rng.randint(*m_range)
         draw = rng.random()
         n = int(math.exp(rng.uniform(*map(math.log, n_range))))
         n = n // 64 * 64 if draw < 0.4 else n // 16 * 16 if draw < 0.8 or fp8 else n
@@ -312,19 +316,21 @@ def few_row_shapes(seed: int, count: int, fp8: bool,
     return shapes
 
 
-def few_row_cases(seed: int, count: int,
-                  n_range: tuple[int, int] = FEW_ROWS_N) -> list[Case]:
-    """bench.plans' "fewrows" set: 16-bit products of ``few_row_shapes``, nn.Linear's layout."""
-    return [Case("fewrows", _shape_name(m, n, k), m, n, k)
-            for m, n, k in few_row_shapes(seed, count, False, n_range)]
+def few_row_cases(seed: int, count: int, n_range: tuple[int, int] = FEW_ROWS_N,
+                  m_range: tuple[int, int] = FEW_ROWS_M) -> list[Case]:
+    """bench.plans' "fewrows" set (its "midrows" set with ``m_range`` MID_ROWS_M): 16-bit
+    products of ``few_row_shapes``, nn.Linear's layout."""
+    suite = "fewrows" if m_range == FEW_ROWS_M else "midrows"
+    return [Case(suite, _shape_name(m, n, k), m, n, k)
+            for m, n, k in few_row_shapes(seed, count, False, n_range, m_range)]
 
 
-def few_row_scaled_cases(seed: int, count: int,
-                         n_range: tuple[int, int] = FEW_ROWS_N) -> list[ScaledCase]:
-    """bench.plans' "scaled-fewrows" set: fp8 products of ``few_row_shapes``, tensorwise and
-    rowwise, each accumulation mode."""
+def few_row_scaled_cases(seed: int, count: int, n_range: tuple[int, int] = FEW_ROWS_N,
+                         m_range: tuple[int, int] = FEW_ROWS_M) -> list[ScaledCase]:
+    """bench.plans' "scaled-fewrows" set (with ``m_range`` MID_ROWS_M, "scaled-midrows"):
+    fp8 products of ``few_row_shapes``, tensorwise and rowwise, each accumulation mode."""
     return [ScaledCase(_shape_name(m, n, k), m, n, k, recipe, fast)
-            for m, n, k in few_row_shapes(seed, count, True, n_range)
+            for m, n, k in few_row_shapes(seed, count, True, n_range, m_range)
             for recipe in ("tensorwise", "rowwise") for fast in (False, True)]
 
 
