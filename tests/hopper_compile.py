@@ -4,6 +4,7 @@ that run without Triton's interpreter (``test_mm._run_without_interpreter``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import triton
@@ -17,6 +18,10 @@ def compile_for(kernel: Any, pointers: dict[str, str], constants: dict[str, Any]
     in ``pointers`` pointers of the given Triton type, the rest 32-bit integers; ``aligned``
     ones are marked 16-divisible, as a launch on aligned tensors specialises them. Gluon
     kernels compile from their own source type. ``options``: num_warps, num_stages."""
+    # Constexprs left out take their defaults, as a launch that does not pass them would.
+    constants = {**{p.name: p.default for p in kernel.params
+                    if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                 **constants}
     signature = {name: "constexpr" if name in constants else pointers.get(name, "i32")
                  for name in kernel.arg_names}
     index = kernel.arg_names.index
