@@ -913,6 +913,51 @@ def test_fp8_precise_plans(monkeypatch):
     assert tuning.fp8_precise_plan(128, 14336, 132, 2) is None
     assert tuning.fp8_precise_plan(128, 16896, 132, 2) is not None
     assert tuning.fp8_precise_plan(768, 2816, 132, 2).tile.block_m == 192
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_mid_row_plans(monkeypatch, fast):
+    """Tensorwise and rowwise products of 33-512 rows (an H100's numbers): deep K takes the
+    precise kernel from 0.45 of a wave of 128x128 tiles and 64 rows (129-192 rows on one row of
+    192-row tiles); a sliver of a second wave of 128x128 tiles gives way to 64x128 tiles on
+    the portable kernel, in both accumulation modes; 128-row tiles spilling into a second wave
+    take 192-row ones that fit one. Blockwise products (the default recipe) keep the rules as
+    they were."""
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 227 * 1024)
+    monkeypatch.setattr(tgemm_device, "interpreter_enabled", lambda: False)
+
+    def plan(m, n, k):
+        precise = None if fast else tuning.fp8_precise_plan(m, n, 132, 2, k, "outer")
+        return precise or tuning.heuristic_mm_plan(m, n, k, 1, True, 132, 2, True, "outer",
+                                                   fast)
+
+    def rows(p):
+        return (p.kernel, p.tile.block_m, p.tile.block_n)
+
+    wgmma = tuning.FP8_PRECISE_KERNEL
+    if not fast:
+        assert rows(plan(91, 9856, 9456)) == (wgmma, 128, 128)  # 77 tiles, K deep
+        assert rows(plan(174, 6576, 13360)) == (wgmma, 192, 128)  # one row of tiles
+        assert rows(plan(357, 4576, 13440)) == (wgmma, 128, 128)  # 108 tiles
+        assert tuning.fp8_precise_plan(91, 9856, 132, 2, 9456) is None  # blockwise: as before
+        assert rows(plan(397, 4736, 4496)) == (wgmma, 192, 128)  # 148 -> 111 tiles
+        assert tuning.fp8_precise_plan(397, 4736, 132, 2).tile.block_m == 128
+        assert rows(plan(211, 10864, 16256)) == (wgmma, 128, 128)  # 1.29 waves: as before
+        assert rows(plan(200, 9216, 4096)) == (wgmma, 128, 128)  # a sliver above 192 rows
+    # Under half a wave of 128x128 tiles, and 129-192 rows that the narrow rule takes.
+    for m, n, k in ((80, 7680, 10240), (150, 5120, 12288), (179, 4352, 14848)):
+        assert rows(plan(m, n, k)) == ("portable", 64, 64), (m, n, k)
+    # Shallow K, few rows or under 0.45 of a wave: the portable kernel's tiles as before.
+    for m, n, k in ((256, 4096, 4096), (128, 6144, 4096), (35, 8992, 11680), (63, 3968, 11808)):
+        assert plan(m, n, k).kernel == "portable", (m, n, k)
+    # A second wave of 8-14 tiles of 128 rows: 64x128 tiles, two to an SM.
+    slivers = [(140, 9232, 4160), (184, 8976, 6144)] + [(200, 9216, 4096)] * fast
+    for m, n, k in slivers:
+        assert tuning.fp8_second_wave_sliver(m, n, 132)
+        assert rows(plan(m, n, k)) == ("portable", 64, 128)
+        assert plan(m, n, k).split_k == 1 and plan(m, n, k).tile.block_k == 128
+    for m, n in ((211, 10864), (227, 12448), (100, 9232), (300, 9232)):
+        assert not tuning.fp8_second_wave_sliver(m, n, 132), (m, n)
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
     fp32_out = tuning.fp8_precise_plan(8192, 8192, 132, 4)

@@ -259,10 +259,16 @@ FP8_PRECISE_KERNEL = "wgmma_fp8"
 FP8_PRECISE_MIN_WAVES = 0.7
 FP8_PRECISE_PARTIAL_WAVE_ROWS = 256
 FP8_PRECISE_GROUP_M = 4
+# Tensorwise and rowwise products with K of at least FP8_PRECISE_DEEP_K take it from
+# FP8_PRECISE_DEEP_K_MIN_ROWS rows and FP8_PRECISE_DEEP_K_MIN_WAVES of a wave of 128x128 tiles.
+FP8_PRECISE_DEEP_K = 8192
+FP8_PRECISE_DEEP_K_MIN_ROWS = 64
+FP8_PRECISE_DEEP_K_MIN_WAVES = 0.5
 FP8_GROUPED_PRECISE_GROUP_M = 8
 
 
-def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | None:
+def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int, k: int = 0,
+                     scaling: str = "block") -> MMPlan | None:
     """The plan of Hopper's warp-specialized kernel for an fp8 product with precise
     accumulation (tensorwise, rowwise or blockwise scales), or None where it does not apply:
     M under 128 (decode: the 16- and 32-row tiles stream the weights; M = 16 against N = 28672
@@ -286,10 +292,41 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | No
     (docs/data/fp8-mid-m-h100.csv): at 96 and 128 tiles this kernel ran 0.89-0.95x torch, the
     TMA kernel's precise plans 0.66-0.72x. Held out (Qwen2.5-7B's o and down projections at
     M = 448, 112 tiles; docs/data/fp8-ab-h100.csv), the products it moves here ran 1.21-1.36x
-    faster (tensorwise, rowwise and blockwise)."""
+    faster (tensorwise, rowwise and blockwise).
+
+    Tensorwise and rowwise products (``scaling`` "outer"; K given) also take it where their
+    K is deep (FP8_PRECISE_DEEP_K) and 128-row tiles fill FP8_PRECISE_DEEP_K_MIN_WAVES of a
+    wave (and less than one), from 64 rows: 128-row tiles, or one 192-row tile row for
+    129-192 rows (B read once) where ``_fp8_narrow_plan`` does not take the product. Up to
+    FP8_SLIVER_PRECISE_MAX_ROWS rows they leave it for ``heuristic_mm_plan``'s 64x128 tiles
+    where 128-row tiles would spill a sliver into a second wave (``fp8_second_wave_sliver``).
+    Read off every plan timed on random products of 33-512 rows on an H100
+    (docs/data/fp8-mid-rows-h100-seed2071.csv, -seed2072.csv): 91 x 9856 x 9456 ran 0.45 ->
+    0.82x torch._scaled_mm, 174 x 6576 x 13360 0.52 -> 0.65x, 345-372 rows against 2768-5024
+    columns, K 11648-15616, 0.60-0.75 -> 0.84-0.97x; 140 x 9232 x 4160 and 184 x 8976 x 6144
+    (1.08-1.11 waves of 128-row tiles) 0.74 / 0.84 -> 0.83 / 0.94x. On held-out products
+    (42 layer shapes of 80-330 rows and random seed 2074, planner picks timed against the
+    rules before, docs/data/fp8-mid-rows-ab-h100.csv) the first form of these rules moved 33
+    products, 1.14x and 1.23x faster in geomean but 8 slower (0.67-0.98x): the 0.45-wave
+    bound at 80-112 x 7680 x 10240 (0.84x), 192-row tiles where the narrow rule had 64x64
+    tiles (150 x 5120 x 12288, 179 x 4352 x 14848: 0.73x, 0.67x) and the sliver rule against
+    the precise kernel's 128-row tiles at 200-240 rows (0.98-1.02x): hence the 0.5 bound,
+    the narrow rule's precedence and the row limit. The 25 moves left ran 1.03-2.10x faster.
+    At K = 4096 the 64-row tiles of the portable kernel stay (Llama-3-8B's o at M = 256,
+    above); so do fewer rows (35 x 8992 x 11680: 0.87x there, 0.80x here)."""
+    if scaling == "outer" and m <= FP8_SLIVER_PRECISE_MAX_ROWS and fp8_second_wave_sliver(
+            m, n, num_sms):
+        return None
+    if scaling == "outer" and m >= FP8_PRECISE_DEEP_K_MIN_ROWS and k >= FP8_PRECISE_DEEP_K and (
+            FP8_PRECISE_DEEP_K_MIN_WAVES * num_sms <= tile_count(m, n, 128, 128) < num_sms) and (
+            not 128 < m <= 192 or _fp8_narrow_plan(m, n, k, num_sms) is None):
+        consumers = 3 if 128 < m <= 192 else 2
+        return MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_tile_of(
+            consumers, _fp8_precise_stages(consumers, out_size), FP8_PRECISE_GROUP_M))
     if m < 128:
         return None
-    tile = _fp8_precise_tile(m, out_size, FP8_PRECISE_GROUP_M)
+    tile = _fp8_precise_tile(m, out_size, FP8_PRECISE_GROUP_M,
+                             n if scaling == "outer" else 0, num_sms)
     column_tiles = -(-n // 128)
     partial_wave = (m >= FP8_PRECISE_PARTIAL_WAVE_ROWS and -(-m // tile.block_m) * column_tiles
                     >= FP8_PRECISE_MIN_WAVES * num_sms)
@@ -298,17 +335,54 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int) -> MMPlan | No
     return MMPlan(FP8_PRECISE_KERNEL, tile)
 
 
-def _fp8_precise_tile(rows: int, out_size: int, group_m: int) -> TileConfig:
+# Tensorwise and rowwise fp8 products of more rows than this and at most FP8_SLIVER_MAX_ROWS
+# whose 128x128 tiles make one wave and at most FP8_SLIVER_MAX_WAVES (a second wave of a few
+# tiles), and whose 128x256 tiles fill under FP8_SLIVER_WIDE_WAVES of one (where the size
+# rules take 128x256 tiles), run 64x128 tiles on the portable kernel (``heuristic_mm_plan``).
+FP8_SLIVER_MAX_ROWS = 256
+FP8_SLIVER_MAX_WAVES = 1.2
+FP8_SLIVER_WIDE_WAVES = 0.6
+# ... with precise accumulation, up to this many rows (above, the precise kernel's 128-row tiles
+# tied with them).
+FP8_SLIVER_PRECISE_MAX_ROWS = 192
+
+
+def fp8_second_wave_sliver(m: int, n: int, num_sms: int) -> bool:
+    """Whether a tensorwise or rowwise fp8 product of 129-256 rows would leave a sliver of
+    128x128 tiles to a second wave (over one wave, at most FP8_SLIVER_MAX_WAVES) where
+    128x256 tiles fill under FP8_SLIVER_WIDE_WAVES of one: its 64x128 tiles, twice as many
+    and two to an SM, then finish together. On an H100 (every plan timed,
+    docs/data/fp8-mid-rows-h100-seed2072.csv): 140 x 9232 x 4160 with fast accumulation
+    0.44 -> 0.80x torch._scaled_mm, 184 x 8976 x 6144 0.59 -> 1.00x (precise: see
+    ``fp8_precise_plan``); at 1.29 and 1.48 waves (211 x 10864, 227 x 12448) the 128-row plans
+    stayed faster."""
+    tiles = tile_count(m, n, 128, 128)
+    return (128 < m <= FP8_SLIVER_MAX_ROWS and num_sms < tiles <= FP8_SLIVER_MAX_WAVES * num_sms
+            and tile_count(m, n, 128, 256) < FP8_SLIVER_WIDE_WAVES * num_sms)
+
+
+def _fp8_precise_tile(rows: int, out_size: int, group_m: int, n: int = 0,
+                      num_sms: int = 0) -> TileConfig:
     """The precise fp8 kernel's tile for ``rows`` rows (of a group), in bands of ``group_m``
     tile rows: three consumers unless 192-row tiles pad the rows by 8% more than 128-row
-    ones, and 4 stages where the shared memory holds them (operand slots and a C tile per
-    consumer), else fewer."""
+    ones, or (given ``n`` and ``num_sms``) where 128-row tiles make one to 1.5 waves and
+    192-row ones one (397 x 4736 x 4496 on an H100: 0.63 -> 0.81x torch._scaled_mm,
+    docs/data/fp8-mid-rows-h100-seed2072.csv); 4 stages where the shared memory holds them
+    (operand slots and a C tile per consumer), else fewer."""
     consumers = 3 if -(-rows // 192) * 192 <= 1.08 * (-(-rows // 128) * 128) else 2
+    if n and num_sms < tile_count(rows, n, 128, 128) <= 1.5 * num_sms and (
+            tile_count(rows, n, 192, 128) <= num_sms):
+        consumers = 3
+    return _fp8_precise_tile_of(consumers, _fp8_precise_stages(consumers, out_size), group_m)
+
+
+def _fp8_precise_stages(consumers: int, out_size: int) -> int:
+    """4 stages of the precise fp8 kernel where the shared memory holds them, else fewer."""
     stages = 4
     while stages > 2 and _fp8_precise_shared(consumers, stages, out_size) > (
             _device.shared_memory_per_block(0)):
         stages -= 1
-    return _fp8_precise_tile_of(consumers, stages, group_m)
+    return stages
 
 
 def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
@@ -384,6 +458,10 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         small = _blockwise_small_plan(m, n, k, num_sms)
         if small is not None:
             return small
+    if scaling == "outer" and tma and fp8_second_wave_sliver(m, n, num_sms):
+        tile = _fit_shared_memory(_for_dtype(TileConfig(64, 128, 64, 8, 4, 4), element_size),
+                                  element_size, _device.shared_memory_per_block(0))
+        return MMPlan("portable", tile)
     if scaling == "outer" and FP8_NARROW_MIN_ROWS < m <= FP8_NARROW_MAX_ROWS:
         narrow = _fp8_narrow_plan(m, n, k, num_sms)
         if narrow is not None:

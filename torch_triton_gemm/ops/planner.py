@@ -112,7 +112,7 @@ def fp8_precise_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     if not _fp8_precise_applies(a, b, out, scales):
         return None
     return tuning.fp8_precise_plan(a.shape[0], b.shape[1], num_sms(a.device),
-                                   out.element_size())
+                                   out.element_size(), a.shape[1], scales.mode)
 
 
 def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
