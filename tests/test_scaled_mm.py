@@ -958,6 +958,15 @@ def test_fp8_mid_row_plans(monkeypatch, fast):
         assert plan(m, n, k).split_k == 1 and plan(m, n, k).tile.block_k == 128
     for m, n in ((211, 10864), (227, 12448), (100, 9232), (300, 9232)):
         assert not tuning.fp8_second_wave_sliver(m, n, 132), (m, n)
+    # 65-128 rows, deep K, 0.55 of a wave to one of 128x128 tiles: fast accumulation takes
+    # 64x128 portable tiles (the precise kernel, above, with precise accumulation).
+    for m, n, k in ((96, 10240, 8192), (120, 13824, 10240), (80, 14336, 8192)):
+        assert tuning.fp8_deep_k_half_rows(m, n, k, 132)
+        assert rows(plan(m, n, k)) == (("portable", 64, 128) if fast else (wgmma, 128, 128))
+    for m, n, k in ((64, 10240, 8192), (96, 8192, 28672), (96, 10240, 4096)):
+        assert not tuning.fp8_deep_k_half_rows(m, n, k, 132), (m, n, k)
+        if fast or k < tuning.FP8_PRECISE_DEEP_K:
+            assert rows(plan(m, n, k)) == ("portable", 64, 64), (m, n, k)
     small = tuning.fp8_precise_plan(1024, 2304, 132, 2)  # 192-row tiles: 1152 rows
     large = tuning.fp8_precise_plan(2048, 8192, 132, 2)  # 2112 rows
     fp32_out = tuning.fp8_precise_plan(8192, 8192, 132, 4)

@@ -335,6 +335,24 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int, k: int = 0,
     return MMPlan(FP8_PRECISE_KERNEL, tile)
 
 
+def fp8_deep_k_half_rows(m: int, n: int, k: int, num_sms: int) -> bool:
+    """Whether a tensorwise or rowwise fp8 product with fast accumulation of 65-128 rows (two
+    64-row tiles), K of FP8_PRECISE_DEEP_K or more and 128x128 tiles for
+    FP8_DEEP_K_FAST_MIN_WAVES to one wave takes 64x128 tiles on the portable kernel
+    (``heuristic_mm_plan``) rather than the narrow rule's 64x64 ones. On an H100 (every plan
+    timed: Llama-3-70B-like and other N x K of 10240-14336 x 8192-12288 at 80-128 rows,
+    docs/data/fp8-deep-k-fast-h100.csv) 0.77-0.92 -> 0.92-1.02 of torch._scaled_mm (1.05-1.27x);
+    at 0.48 of a wave (8192 x 28672) and at 64 rows the 64x64 tiles stayed faster. Held out
+    (N x K 11008 x 8192, 13824 x 10240, 15360 x 9216 at 72-120 rows, the planner's picks
+    before and after, same run, docs/data/fp8-deep-k-fast-ab-h100.csv): all 12 moves faster,
+    1.04-1.18x, 0.87 -> 0.96 of torch in geomean."""
+    return (64 < m <= 128 and k >= FP8_PRECISE_DEEP_K
+            and FP8_DEEP_K_FAST_MIN_WAVES * num_sms <= tile_count(m, n, 128, 128) < num_sms)
+
+
+FP8_DEEP_K_FAST_MIN_WAVES = 0.55
+
+
 # Tensorwise and rowwise fp8 products of more rows than this and at most FP8_SLIVER_MAX_ROWS
 # whose 128x128 tiles make one wave and at most FP8_SLIVER_MAX_WAVES (a second wave of a few
 # tiles), and whose 128x256 tiles fill under FP8_SLIVER_WIDE_WAVES of one (where the size
@@ -458,7 +476,8 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
         small = _blockwise_small_plan(m, n, k, num_sms)
         if small is not None:
             return small
-    if scaling == "outer" and tma and fp8_second_wave_sliver(m, n, num_sms):
+    if scaling == "outer" and tma and (fp8_second_wave_sliver(m, n, num_sms) or (
+            fast_accum and fp8_deep_k_half_rows(m, n, k, num_sms))):
         tile = _fit_shared_memory(_for_dtype(TileConfig(64, 128, 64, 8, 4, 4), element_size),
                                   element_size, _device.shared_memory_per_block(0))
         return MMPlan("portable", tile)
