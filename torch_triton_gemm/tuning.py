@@ -335,6 +335,12 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int, k: int = 0,
     return MMPlan(FP8_PRECISE_KERNEL, tile)
 
 
+# Tensorwise and rowwise fp8 products with fast accumulation of 65-128 rows and K of at least
+# FP8_PRECISE_DEEP_K take ``fp8_deep_k_half_rows``'s 64x128 tiles from this fraction of a wave
+# of 128x128 tiles.
+FP8_DEEP_K_FAST_MIN_WAVES = 0.55
+
+
 def fp8_deep_k_half_rows(m: int, n: int, k: int, num_sms: int) -> bool:
     """Whether a tensorwise or rowwise fp8 product with fast accumulation of 65-128 rows (two
     64-row tiles), K of FP8_PRECISE_DEEP_K or more and 128x128 tiles for
@@ -348,9 +354,6 @@ def fp8_deep_k_half_rows(m: int, n: int, k: int, num_sms: int) -> bool:
     1.04-1.18x, 0.87 -> 0.96 of torch in geomean."""
     return (64 < m <= 128 and k >= FP8_PRECISE_DEEP_K
             and FP8_DEEP_K_FAST_MIN_WAVES * num_sms <= tile_count(m, n, 128, 128) < num_sms)
-
-
-FP8_DEEP_K_FAST_MIN_WAVES = 0.55
 
 
 # Tensorwise and rowwise fp8 products of more rows than this and at most FP8_SLIVER_MAX_ROWS
@@ -461,7 +464,9 @@ def heuristic_mm_plan(m: int, n: int, k: int, element_size: int, tma: bool,
     - fp8 recipes of scaled_mm (``scaling`` "outer" or "block", ``fast_accum``) adjust the TMA
       plans, see ``_scaled_tma_plan``; blockwise products of at most 128 rows take
       ``_blockwise_small_plan``, tensorwise and rowwise ones of 33-256 rows
-      ``_fp8_narrow_plan``.
+      ``_fp8_narrow_plan``, except 64x128 portable tiles where 128x128 ones would leave a
+      sliver of a second wave (``fp8_second_wave_sliver``) or, with fast accumulation, 65-128
+      rows have a deep K (``fp8_deep_k_half_rows``).
     """
     if _device.interpreter_enabled():
         return MMPlan("portable", INTERPRETER_TILE)
