@@ -1670,3 +1670,29 @@ def test_compare_reads_an_ab_off_two_plan_csvs(tmp_path):
     slowest = text.split("changed cases (base us -> new us):")[1].splitlines()[1:]
     assert len(slowest) == 2 and f"({min(speedups):.3f}x)" in slowest[0]
     assert compare.rows_bucket(1) == "1" and compare.rows_bucket(129) == "129+"
+
+
+def test_plan_sweep_workers_settle_what_the_timing_captures(monkeypatch):
+    """bench.plans' compile workers run each plan through ``settle`` (what the timing's CUDA
+    graph captures launch, host-descriptor variants included, compiled in parallel), and count
+    the plans that fail without stopping."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import plans
+
+    good = tuning.MMPlan("portable", tuning.TileConfig(16, 32, 32, 1, 4, 2))
+    bad = tuning.MMPlan("tma", tuning.TileConfig(16, 32, 32, 1, 4, 2))
+    launched, settled = [], []
+
+    class Problem:
+        def launch(self, plan):
+            launched.append(plan)
+            if plan == bad:
+                raise RuntimeError("no TMA here")
+
+    monkeypatch.setattr(plans, "problem", lambda *args, **kwargs: Problem())
+    monkeypatch.setattr(plans, "settle", lambda fn: (settled.append(fn), fn()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    case = suites.Case("t", "t", 8, 40, 32)
+    assert plans._compile_jobs([(case, "fp16", [good, bad, good])]) == 1
+    assert launched == [good, bad, good] and len(settled) == 3
