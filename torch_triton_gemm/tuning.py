@@ -320,9 +320,8 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int, k: int = 0,
     if scaling == "outer" and m >= FP8_PRECISE_DEEP_K_MIN_ROWS and k >= FP8_PRECISE_DEEP_K and (
             FP8_PRECISE_DEEP_K_MIN_WAVES * num_sms <= tile_count(m, n, 128, 128) < num_sms) and (
             not 128 < m <= 192 or _fp8_narrow_plan(m, n, k, num_sms) is None):
-        consumers = 3 if 128 < m <= 192 else 2
-        return MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_tile_of(
-            consumers, _fp8_precise_stages(consumers, out_size), FP8_PRECISE_GROUP_M))
+        return MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_fitted_tile(
+            3 if 128 < m <= 192 else 2, out_size, FP8_PRECISE_GROUP_M))
     if m < 128:
         return None
     tile = _fp8_precise_tile(m, out_size, FP8_PRECISE_GROUP_M,
@@ -394,16 +393,17 @@ def _fp8_precise_tile(rows: int, out_size: int, group_m: int, n: int = 0,
     if n and num_sms < tile_count(rows, n, 128, 128) <= 1.5 * num_sms and (
             tile_count(rows, n, 192, 128) <= num_sms):
         consumers = 3
-    return _fp8_precise_tile_of(consumers, _fp8_precise_stages(consumers, out_size), group_m)
+    return _fp8_precise_fitted_tile(consumers, out_size, group_m)
 
 
-def _fp8_precise_stages(consumers: int, out_size: int) -> int:
-    """4 stages of the precise fp8 kernel where the shared memory holds them, else fewer."""
+def _fp8_precise_fitted_tile(consumers: int, out_size: int, group_m: int) -> TileConfig:
+    """The precise fp8 kernel's tile of ``consumers`` warpgroups with 4 stages where the shared
+    memory holds them, else fewer."""
     stages = 4
     while stages > 2 and _fp8_precise_shared(consumers, stages, out_size) > (
             _device.shared_memory_per_block(0)):
         stages -= 1
-    return stages
+    return _fp8_precise_tile_of(consumers, stages, group_m)
 
 
 def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
@@ -682,7 +682,9 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       (14, worst 1.01x / 0.98x); 16-bit at 0.30-0.35 0.96x on the H100 (0.90x, and one 0.35x);
       at 17-32 rows 1.05-1.08x on the H100 but 1.01x / 1.07x on the H200 with products at
       0.83-0.84x, so those start at 0.45 as before. Bounds read off these sets (and a sweep of
-      8 shapes' transposed tiles on the H100): not yet confirmed on a fresh seed.
+      8 shapes' transposed tiles on the H100); on fresh seeds (2050 16-bit, 2051 fp8, H100,
+      rule on vs off, docs/data/swap-low-fill-h100-seed205*.csv) 1.08x (19 moved, worst 0.94x
+      at 4 rows) and 1.13x (28 moved, every one faster).
     - 16-bit rows whose pitch is 16 bytes off a multiple of 32 (K an odd multiple of 8) lost on
       all three random products that had one (0.74-0.93x, seeds 2026 and 2029), so the caller
       (``planner.swap_plan``) takes 16-bit pitches that are multiples of 32 bytes
