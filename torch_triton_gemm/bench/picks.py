@@ -3,6 +3,7 @@
 to the plan model or its space moves, so that a GPU run times those cases alone.
 
     python -m torch_triton_gemm.bench.picks --seed 8 --count 400 --csv before.csv
+    (--suites midrows: bench.plans' mid-row set of that seed instead of the sweep)
     (change the planner)
     python -m torch_triton_gemm.bench.picks --seed 8 --count 400 --csv changed.csv \\
         --against before.csv
@@ -102,6 +103,9 @@ def changed(rows: Sequence[dict[str, object]], before: Sequence[dict[str, str]]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.picks",
                                      description=__doc__.splitlines()[0])
+    parser.add_argument("--suites", default="sweep",
+                        help="comma-separated, as bench.plans takes them (16-bit sets): sweep "
+                             "(default), fewrows, midrows or mm suite names")
     parser.add_argument("--seed", type=int, default=suites.SWEEP_SEED)
     parser.add_argument("--count", type=int, default=suites.SWEEP_COUNT)
     parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16, fp16")
@@ -113,7 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in ("bf16", "fp16")]
     if bad:
         parser.error(f"--dtypes: bf16 or fp16, not {', '.join(bad)}")
-    rows = picks(suites.sweep_cases(args.seed, args.count), dtypes)
+    try:
+        cases = [case for name in args.suites.split(",")
+                 for case in suites.plan_sweep_cases(name, args.seed, args.count)]
+    except ValueError as error:
+        parser.error(f"--suites: {error}")
+    rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:
         try:

@@ -71,20 +71,14 @@ def _cases(names: Sequence[str], seed: int, count: int,
            few_rows_n: tuple[int, int] = suites.FEW_ROWS_N) -> list[AnyCase]:
     cases: list[AnyCase] = []
     for name in names:
-        if name == "sweep":
-            cases += suites.sweep_cases(seed, count)
-        elif name == "fewrows":
-            cases += suites.few_row_cases(seed, count, few_rows_n)
-        elif name == "scaled-fewrows":
+        if name == "scaled-fewrows":
             cases += suites.few_row_scaled_cases(seed, count, few_rows_n)
-        elif name == "midrows":
-            cases += suites.few_row_cases(seed, count, few_rows_n, suites.MID_ROWS_M)
         elif name == "scaled-midrows":
             cases += suites.few_row_scaled_cases(seed, count, few_rows_n, suites.MID_ROWS_M)
         elif name == "scaled":
             cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
-            cases += suites.suite_cases(name)
+            cases += suites.plan_sweep_cases(name, seed, count, few_rows_n)
     return cases
 
 

@@ -341,6 +341,20 @@ def sweep_count(quick: bool, count: int | None) -> int:
     return QUICK_SWEEP_COUNT if quick else SWEEP_COUNT
 
 
+def plan_sweep_cases(name: str, seed: int, count: int,
+                     few_rows_n: tuple[int, int] = FEW_ROWS_N) -> list[Case]:
+    """The 16-bit cases the plan sweep (bench.plans) and the picks (bench.picks) take by name:
+    "sweep", "fewrows" and "midrows" (``seed``, ``count``; the few-row sets' weights drawn
+    over ``few_rows_n``), else the mm suite ``name``."""
+    if name == "sweep":
+        return sweep_cases(seed, count)
+    if name == "fewrows":
+        return few_row_cases(seed, count, few_rows_n)
+    if name == "midrows":
+        return few_row_cases(seed, count, few_rows_n, MID_ROWS_M)
+    return suite_cases(name)
+
+
 def suite_cases(suite: str, quick: bool = False, *, seed: int = SWEEP_SEED,
                 count: int | None = None) -> list[Case]:
     """The mm (or latency) cases of one suite in run order; ``quick`` keeps a few of them.
