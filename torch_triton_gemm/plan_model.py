@@ -187,19 +187,46 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
     return Work(steps, rounds, 0.0, busy, True, partial_bytes)
 
 
+# An H100 SM's shared memory (228 KiB); each resident program takes 1 KiB more than it asks for.
+SM_SHARED_BYTES = 233472
+PROGRAM_RESERVED_BYTES = 1024
+# What each more program sharing an SM adds to the time of one (co_resident_rounds).
+CO_RESIDENT_ROUND = 0.6
+
+
+def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) -> float:
+    """Rounds of work the busiest SM does when ``rounds`` unsplit programs of the portable
+    kernel with ``tile`` land on it and its shared memory holds them all at once: a program of
+    64 rows or more is bound by its latency, not by the SM's throughput, so each more one adds
+    CO_RESIDENT_ROUND of its time, not a whole round (``rounds`` itself where they do not all
+    fit, or under 64 rows, whose programs stream their operands). On an H100, 309 x 4923 x 6016
+    on 64x128 tiles (195 tiles, two to an SM) took 41.1 us, about 1.6 rounds by the constants
+    (docs/data/mid-rows-h100-seed2070-every-plan.csv)."""
+    if tile.block_m < 64 or rounds < 2:
+        return rounds
+    fit = SM_SHARED_BYTES // (tuning.shared_memory_bytes(tile, element_size)
+                              + PROGRAM_RESERVED_BYTES)
+    return rounds if rounds > fit else 1 + (rounds - 1) * CO_RESIDENT_ROUND
+
+
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, aligned: bool = True, narrow: bool = False,
-               a_m_contiguous: bool = False, pitch_vector: int = 0) -> float:
+               a_m_contiguous: bool = False, pitch_vector: int = 0, *,
+               co_resident: bool = False) -> float:
     """Predicted kernel-only time of ``plan`` on an m x n x k product, in microseconds
     (``aligned``: the operands can be described for TMA as they are; ``narrow``: their pitches
     are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous;
     ``pitch_vector``: the widest copy the portable kernel makes along narrow pitches, see
-    ``cost_kernel``)."""
+    ``cost_kernel``; ``co_resident``: an unsplit portable plan on plain pitches counts
+    ``co_resident_rounds``, see ``unsplit_twin``)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
-    cost = tile_cost(costs, cost_kernel(plan.kernel, narrow, a_m_contiguous,
-                                        one_step(plan, k, element_size), pitch_vector),
-                     plan.tile)
+    kernel = cost_kernel(plan.kernel, narrow, a_m_contiguous, one_step(plan, k, element_size),
+                         pitch_vector)
+    if co_resident and kernel == "portable" and not work.reduce and not work.fixup_bytes:
+        rounds = co_resident_rounds(plan.tile, int(work.tiles), element_size)
+        work = dataclasses.replace(work, steps=work.steps * rounds / work.tiles, tiles=rounds)
+    cost = tile_cost(costs, kernel, plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
@@ -223,9 +250,33 @@ def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: i
               element_size: int, out_size: int, aligned: bool = True,
               narrow: bool = False, a_m_contiguous: bool = False,
               pitch_vector: int = 0) -> tuning.MMPlan:
-    """The plan of ``plans`` with the least predicted time (the first of equals)."""
-    return min(plans, key=lambda p: predict_us(costs, p, m, n, k, element_size, out_size,
-                                               aligned, narrow, a_m_contiguous, pitch_vector))
+    """The plan of ``plans`` with the least predicted time (the first of equals), or its
+    ``unsplit_twin`` where that is the better of the two."""
+    args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector)
+    plan = min(plans, key=lambda p: predict_us(costs, p, *args))
+    twin = unsplit_twin(plan)
+    if twin is not None and (predict_us(costs, twin, *args, co_resident=True)
+                             <= predict_us(costs, plan, *args)):
+        return twin
+    return plan
+
+
+def unsplit_twin(plan: tuning.MMPlan) -> tuning.MMPlan | None:
+    """``plan`` unsplit where it is a K split of the portable kernel (else None).
+
+    A split pays where its units fill SMs that whole tiles would leave idle; where the unsplit
+    programs all fit on their SMs at once (``co_resident_rounds``), the split's second-wave
+    units only run beside the first wave's tiles, as the unsplit tiles would, and its partials
+    and reduction are all cost. So the model's pick, where it splits on the portable kernel,
+    gives way to its unsplit twin costed with co-resident rounds when that is predicted no
+    slower. Only against its own split: costed so against every plan, 64x128 portable tiles
+    two to an SM also took products from TMA tiles of twice their size filling one wave, and
+    on an H100 those moves were a toss-up (0.78-1.20x, seed 2077, 14 products), where the
+    moves from split plans all won (1.19-1.45x, 5 products;
+    docs/data/co-resident-ab-h100-seed2077-*.csv)."""
+    if plan.kernel != "portable" or plan.split_k <= 1:
+        return None
+    return dataclasses.replace(plan, split_k=1, split_tail=False, split_fixup=False)
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:
