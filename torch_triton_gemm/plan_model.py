@@ -218,7 +218,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     are not all multiples of 16 elements; ``a_m_contiguous``: A's columns are contiguous;
     ``pitch_vector``: the widest copy the portable kernel makes along narrow pitches, see
     ``cost_kernel``; ``co_resident``: an unsplit portable plan on plain pitches counts
-    ``co_resident_rounds``, see ``unsplit_twin``)."""
+    ``co_resident_rounds``, see ``best_plan``)."""
     machine = costs.machine
     work = plan_work(plan, m, n, k, machine.num_sms)
     kernel = cost_kernel(plan.kernel, narrow, a_m_contiguous, one_step(plan, k, element_size),
@@ -250,33 +250,29 @@ def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: i
               element_size: int, out_size: int, aligned: bool = True,
               narrow: bool = False, a_m_contiguous: bool = False,
               pitch_vector: int = 0) -> tuning.MMPlan:
-    """The plan of ``plans`` with the least predicted time (the first of equals), or its
-    ``unsplit_twin`` where that is the better of the two."""
+    """The plan of ``plans`` with the least predicted time (the first of equals). Where that is
+    on the portable kernel, the portable plans are costed again with co-resident rounds
+    (``co_resident_rounds``), and the least of them takes over if it costs no more.
+
+    Unsplit portable programs that all fit on their SMs at once run a second wave beside the
+    first (two 64x128 tiles an SM: about 1.6 rounds, where the constants charge 2), so the K
+    splits and the tiles of one program an SM that the model picks over them buy nothing. On
+    an H100 every such move timed ran faster: 10 of 10 products, 1.14-1.45x (Llama-3-8B's qkv
+    at 256 tokens 43.3 -> 30.5 us; docs/data/overlap-tiles-h100.csv,
+    mid-rows-h100-seed2070-every-plan.csv, co-resident-ab-h100-seed2077-*.csv). Costed so
+    against every plan, 64x128 portable tiles two to an SM also took products from TMA tiles of
+    twice their size filling one wave, a toss-up there (0.78-1.20x, 14 products of seed 2077):
+    hence within the portable kernel only."""
+    plans = list(plans)
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector)
     plan = min(plans, key=lambda p: predict_us(costs, p, *args))
-    twin = unsplit_twin(plan)
-    if twin is not None and (predict_us(costs, twin, *args, co_resident=True)
-                             <= predict_us(costs, plan, *args)):
-        return twin
+    if plan.kernel != "portable":
+        return plan
+    shared = min((p for p in plans if p.kernel == "portable"),
+                 key=lambda p: predict_us(costs, p, *args, co_resident=True))
+    if predict_us(costs, shared, *args, co_resident=True) <= predict_us(costs, plan, *args):
+        return shared
     return plan
-
-
-def unsplit_twin(plan: tuning.MMPlan) -> tuning.MMPlan | None:
-    """``plan`` unsplit where it is a K split of the portable kernel (else None).
-
-    A split pays where its units fill SMs that whole tiles would leave idle; where the unsplit
-    programs all fit on their SMs at once (``co_resident_rounds``), the split's second-wave
-    units only run beside the first wave's tiles, as the unsplit tiles would, and its partials
-    and reduction are all cost. So the model's pick, where it splits on the portable kernel,
-    gives way to its unsplit twin costed with co-resident rounds when that is predicted no
-    slower. Only against its own split: costed so against every plan, 64x128 portable tiles
-    two to an SM also took products from TMA tiles of twice their size filling one wave, and
-    on an H100 those moves were a toss-up (0.78-1.20x, seed 2077, 14 products), where the
-    moves from split plans all won (1.19-1.45x, 5 products;
-    docs/data/co-resident-ab-h100-seed2077-*.csv)."""
-    if plan.kernel != "portable" or plan.split_k <= 1:
-        return None
-    return dataclasses.replace(plan, split_k=1, split_tail=False, split_fixup=False)
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:
