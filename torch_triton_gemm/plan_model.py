@@ -263,16 +263,15 @@ def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: i
     against every plan, 64x128 portable tiles two to an SM also took products from TMA tiles of
     twice their size filling one wave, a toss-up there (0.78-1.20x, 14 products of seed 2077):
     hence within the portable kernel only."""
-    plans = list(plans)
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector)
-    plan = min(plans, key=lambda p: predict_us(costs, p, *args))
+    timed = [(predict_us(costs, p, *args), p) for p in plans]
+    time, plan = min(timed, key=lambda tp: tp[0])
     if plan.kernel != "portable":
         return plan
-    shared = min((p for p in plans if p.kernel == "portable"),
-                 key=lambda p: predict_us(costs, p, *args, co_resident=True))
-    if predict_us(costs, shared, *args, co_resident=True) <= predict_us(costs, plan, *args):
-        return shared
-    return plan
+    shared_time, shared = min(((predict_us(costs, p, *args, co_resident=True), p)
+                               for _, p in timed if p.kernel == "portable"),
+                              key=lambda tp: tp[0])
+    return shared if shared_time <= time else plan
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:

@@ -308,16 +308,14 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
         # that finish their own tiles where the constants do not cost them.
         eligible = [r for r in timed if not r.plan.stream_k and (
             "fixup" in costs.launch_us or not r.plan.split_fixup)] or timed
-        # The planner's own choice among the timed plans (a twin it prefers that was not
-        # timed: its pick before that).
-        plan = plan_model.best_plan(costs, [r.plan for r in eligible], first.m, first.n,
-                                    first.k, first.element_size, first.element_size,
-                                    first.aligned, first.narrow, first.a_m_contiguous,
-                                    first.pitch_vector)
-        choice = next((r for r in eligible if r.plan == plan), None) or min(
-            eligible, key=lambda r: plan_model.predict_us(
-                costs, r.plan, r.m, r.n, r.k, r.element_size, r.element_size, r.aligned,
-                r.narrow, r.a_m_contiguous, r.pitch_vector))
+        # The planner's own choice (best_plan) among the timed plans.
+        by_plan: dict[tuning.MMPlan, Timed] = {}
+        for r in eligible:
+            by_plan.setdefault(r.plan, r)
+        choice = by_plan[plan_model.best_plan(
+            costs, list(by_plan), first.m, first.n, first.k, first.element_size,
+            first.element_size, first.aligned, first.narrow, first.a_m_contiguous,
+            first.pitch_vector)]
         best = min(timed, key=lambda r: r.us)
         picked.append(first.cublas_us / choice.us)
         oracle.append(first.cublas_us / best.us)
