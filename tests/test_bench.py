@@ -13,6 +13,7 @@ import itertools
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -1109,6 +1110,52 @@ def test_rows_that_fail_become_error_rows(capsys):
             timing.Row("bad", boom, lambda m: f"error {m}")]
     assert timing.run_rows(rows) == ["ok", "error RuntimeError: first line"]
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fresh_stop(monkeypatch):
+    stop = timing.Stop()
+    monkeypatch.setattr(timing, "STOP", stop)
+    return stop
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_run_keeps_the_rows_measured_before_it(how, fresh_stop, capsys):
+    measured = []
+
+    def stop() -> str:
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)  # a time limit's signal, as the command line
+        time.sleep(5)                          # handles it: delivered before this returns
+        return "not reached"
+
+    def row(label, measure):
+        return timing.Row(label, measure, lambda m: f"error {m}")
+
+    previous = signal.signal(signal.SIGTERM, cli._interrupt)
+    try:
+        rows = [row("first", lambda: measured.append(1) or "ok"), row("stop", stop),
+                row("after", lambda: measured.append(3) or "late")]
+        assert timing.run_rows(rows) == ["ok"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert measured == [1] and fresh_stop.requested
+    assert "interrupted" in capsys.readouterr().err
+    # Nothing starts after the stop: neither the next suite's rows nor the next suite.
+    assert timing.run_rows([row("next suite", lambda: measured.append(4) or "x")]) == []
+    ran = []
+    cli._run_suite(RunResults(), "e2e", lambda: ran.append(1))
+    assert ran == [] and measured == [1]
+
+
+def test_a_suite_interrupted_outside_its_rows_stops_the_run(fresh_stop):
+    def run() -> None:
+        raise KeyboardInterrupt
+
+    results = RunResults()
+    cli._run_suite(results, "coldstart", run)
+    assert fresh_stop.requested and results.notes == []
 
 
 # --- fresh processes: --help and --list with only the core dependencies -------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import triton
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as _device
 
-from . import report, suites
+from . import report, suites, timing
 from .results import RunResults
 from .timing import TimingSettings
 
@@ -247,9 +248,16 @@ def header_lines(device: torch.device, settings: TimingSettings,
 
 
 def _run_suite(results: RunResults, name: str, run: Callable[[], None]) -> None:
-    """Run one suite; an unexpected failure of the whole suite becomes a note, not a crash."""
+    """Run one suite; an unexpected failure of the whole suite becomes a note, not a crash.
+    After an interruption (``timing.STOP``) no suite starts; one interrupted outside its rows
+    (e2e, coldstart) keeps nothing."""
+    if timing.STOP.requested:
+        return
     try:
         run()
+    except KeyboardInterrupt:
+        timing.STOP.requested = True
+        print(f"\n{name}: interrupted", file=sys.stderr, flush=True)
     except Exception as exc:
         traceback.print_exc()
         results.notes.append(f"{name}: failed ({type(exc).__name__}: {exc}); traceback on stderr")
@@ -379,11 +387,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                           gemm.inductor_config() if args.inductor else None)
     print("\n".join(f"# {line}" for line in header), flush=True)
     torch.manual_seed(0)
-    results = run_suites(args, device)
+    # A time limit's SIGTERM stops the run as Ctrl-C does: the rows measured so far are
+    # printed and written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        results = run_suites(args, device)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if timing.STOP.requested:
+        results.notes.append("interrupted: only the rows measured before the stop are here")
     if args.markdown:
         print()
         print("\n\n".join(s.render(markdown=True) for s in report.sections(results)))
     _write_files(args, header, results)
     print()
     print(report.summary(results), flush=True)
-    return 0
+    return 130 if timing.STOP.requested else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

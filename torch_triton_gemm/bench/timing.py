@@ -359,25 +359,46 @@ def settle(fn: Callable[[], Any]) -> None:
     prepare_capture(fn)
 
 
+@dataclass
+class Stop:
+    """Whether the run was told to stop (Ctrl-C, or the SIGTERM of a time limit, which the
+    command line turns into the same KeyboardInterrupt): rows measured before it are kept and
+    written, none after it is started."""
+
+    requested: bool = False
+
+
+STOP = Stop()
+
+
 def run_rows(rows: Sequence[Row[R]]) -> list[R]:
     """Measure each row in turn, progress on stderr. A row that raises (out of memory, a
     missing feature, a wrong result) becomes its error row, its traceback goes to stderr, and
-    the run goes on."""
-    results = []
-    for index, row in enumerate(rows, 1):
-        print(f"[{index}/{len(rows)}] {row.label} ...", end=" ", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        try:
-            result = row.measure()
-        except Exception as exc:
-            print("failed:", file=sys.stderr, flush=True)
-            traceback.print_exc()
-            result = row.failed(short_error(exc))
-        else:
-            first = getattr(result, "first_call_s", math.nan)
-            tuning = f" (first tgemm call {first:.1f} s)" if math.isfinite(first) else ""
-            print(f"{time.perf_counter() - start:.1f} s{tuning}", file=sys.stderr, flush=True)
-        results.append(result)
-        # Give the cached blocks back so that large shapes do not stack up.
-        torch.cuda.empty_cache()
+    the run goes on. An interruption (KeyboardInterrupt) sets ``STOP`` and returns the rows
+    measured before it; once ``STOP`` is set, no row is started."""
+    results: list[R] = []
+    try:
+        for index, row in enumerate(rows, 1):
+            if STOP.requested:
+                break
+            print(f"[{index}/{len(rows)}] {row.label} ...", end=" ", file=sys.stderr,
+                  flush=True)
+            start = time.perf_counter()
+            try:
+                result = row.measure()
+            except Exception as exc:
+                print("failed:", file=sys.stderr, flush=True)
+                traceback.print_exc()
+                result = row.failed(short_error(exc))
+            else:
+                first = getattr(result, "first_call_s", math.nan)
+                tuning = f" (first tgemm call {first:.1f} s)" if math.isfinite(first) else ""
+                print(f"{time.perf_counter() - start:.1f} s{tuning}", file=sys.stderr,
+                      flush=True)
+            results.append(result)
+            # Give the cached blocks back so that large shapes do not stack up.
+            torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        print("interrupted: the rows measured before it are kept", file=sys.stderr, flush=True)
+        STOP.requested = True
     return results
