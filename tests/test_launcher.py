@@ -115,6 +115,35 @@ def test_direct_launches_repeat_split_k_and_its_reduction(recorder, device, monk
     _expect_direct_launches_repeat_the_jit(recorder, 2, {"a_ptr": a, "b_ptr": b})
 
 
+@pytest.mark.parametrize("kernel", ["tma", "portable"])
+def test_direct_launches_repeat_launches_on_padded_copies(recorder, device, monkeypatch, kernel):
+    """Operands TMA cannot describe (a 37-element pitch: 74 bytes) copied into padded buffers
+    first: later calls copy again and launch directly, on the copies (fresh tensors with the
+    first copies' layout), not through the JIT and the launch's variant bookkeeping."""
+    monkeypatch.setattr(operands._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(graph_descriptors, "prepare", lambda *args: True)
+    monkeypatch.setattr(mm_module, "plan_mm", lambda *args: tuning.MMPlan(
+        kernel, tuning.TileConfig(16, 32, 32, 1, 4, 2), pad=True))
+    through_run_launch = []
+    run_launch = launcher.run_launch
+    monkeypatch.setattr(launcher, "run_launch",
+                        lambda *args: through_run_launch.append(1) or run_launch(*args))
+    a = randn((3, 37), torch.float16, device)
+    b = randn((48, 37), torch.float16, device).t()
+    for _ in range(3):
+        tg.mm(a, b)
+    expected = "mm_tma_kernel" if kernel == "tma" else "mm_kernel"
+    assert [name for name, _, _ in recorder.jit] == [expected]
+    assert len(through_run_launch) == 1  # the first call only
+    _expect_direct_launches_repeat_the_jit(recorder, 3, {})
+    first = recorder.jit[0][2]
+    pitch = operands.PAD_BYTES // 2
+    assert first["a_ptr"].stride() == (pitch, 1) and first["b_ptr"].stride() == (1, pitch)
+    for _, _, _, passed in recorder.direct:
+        assert passed["a_ptr"] is not a and passed["b_ptr"] is not b
+        assert torch.equal(passed["a_ptr"], a) and torch.equal(passed["b_ptr"], b)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_direct_launches_repeat_scaled_launches(recorder, device, recipe):
     a = randn((4, 64), torch.float16, device).to(torch.float8_e4m3fn)

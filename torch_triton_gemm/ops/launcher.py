@@ -299,10 +299,7 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     host_settled = not capturing  # (a capture prepares nothing)
     if _builds_descriptors(prepared):
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
-    if prepared.pads is not None:
-        pad_a, pad_b = prepared.pads
-        a = a if pad_a is None else pad_a.copy(a)
-        b = b if pad_b is None else pad_b.copy(b)
+    a, b = _padded(prepared, a, b)
     workspace = None
     if prepared.workspace_shape is not None:
         workspace = split_workspace(prepared.workspace_shape, a.device, traceable)
@@ -374,6 +371,15 @@ def split_workspace(shape: tuple[Any, ...], device: torch.device,
     """The fp32 workspace of a split-K or stream-K launch, [units, BLOCK_M, BLOCK_N] (see
     ``stream_buffer``)."""
     return stream_buffer("workspace", shape, torch.float32, device, traceable)
+
+
+def _padded(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b as the kernels read them: their padded copies where the launch makes them."""
+    if prepared.pads is None:
+        return a, b
+    pad_a, pad_b = prepared.pads
+    return (a if pad_a is None else pad_a.copy(a)), (b if pad_b is None else pad_b.copy(b))
 
 
 def launch_kernel(kernel: Any, grid: tuple[int], args: tuple[Any, ...], meta: Mapping[str, Any],
@@ -578,6 +584,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     stream = _current_stream(device)
     if prepared.plan is not None and prepared.plan.swap_ab:  # see prepare_launch
         a, b, scale_a, scale_b = b, a, scale_b, scale_a
+    a, b = _padded(prepared, a, b)
     tensors = (a, b, out, bias, workspace, locks, scale_a, scale_b)
     if tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
@@ -618,15 +625,15 @@ def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
 def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches | None:
     """run_kept's launches of ``prepared`` on ``device``, once _launch_compiled has kept the
     compiled kernel of each of its launches there; None where some launch went through
-    Triton's JIT or the operands need padded copies first."""
+    Triton's JIT. (Padded copies are made by run_kept before the launches, as by run_launch:
+    the kept arguments are the copies' strides.)"""
     def direct(cache: dict[int, Any], runtime_args: tuple[Any, ...]) -> DirectLaunch:
         launched, grid, tail = cache[device]
         return (launched.run, launched.function, launched.packed_metadata, *grid,
                 (*runtime_args, *tail))
 
     caches = prepared.compiled
-    if prepared.pads is not None or any(
-            device not in cache for cache in caches[:len(prepared.launches)]) or (
+    if any(device not in cache for cache in caches[:len(prepared.launches)]) or (
             prepared.reduce is not None and device not in caches[-2]):
         return None
     gemm = tuple(direct(cache, runtime_args)

@@ -96,12 +96,9 @@ class Pad(NamedTuple):
         return (1, self.pitch) if self.columns else (self.pitch, 1)
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        rows, cols = t.shape
-        if self.columns:
-            buffer = t.new_empty((cols, self.pitch))[:, :rows].t()
-        else:
-            buffer = t.new_empty((rows, self.pitch))[:, :cols]
-        return buffer.copy_(t)
+        # One allocation with the padded strides (an eager call makes this copy every time).
+        return torch.empty_strided(t.shape, self.strides(), dtype=t.dtype,
+                                   device=t.device).copy_(t)
 
 
 def kernel_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
