@@ -302,6 +302,28 @@ def test_a_forked_child_waits_for_none_of_the_parents_threads():
     pool.reset()
 
 
+_EXIT_SCRIPT = """
+import sys, time
+from torch_triton_gemm.ops.compile_pool import CompilePool
+started = []
+pool = CompilePool(lambda i: started.append(i) or time.sleep(0.4), workers=1)
+futures = [pool.submit(("variant", i), i) for i in range(15)]
+while not started:
+    time.sleep(0.01)
+print(time.time(), flush=True)
+"""
+
+
+def test_exit_waits_for_the_running_compilation_not_the_queued_ones():
+    """A script that ends with 15 variants queued on one compile thread (0.4 s each) exits
+    after the one compiling, not after all 15 (6 s)."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True,
+                          text=True, timeout=60)
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr
+    assert ended - float(proc.stdout.split()[-1]) < 2.0
+
+
 def test_priming_only_where_kernels_compile(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.delenv("TORCH_TRITON_GEMM_BACKGROUND_COMPILE", raising=False)

@@ -31,6 +31,7 @@ compilation says so once per process on the ``torch_triton_gemm`` logger.
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import logging
 import os
@@ -156,6 +157,7 @@ class CompilePool:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.workers(),
                                                     thread_name_prefix="tgemm-compile")
+                _before_exit_joins(self._executor)
             future = self._executor.submit(self._run, *job)
             self._futures[key] = future
             self._unfinished += 1
@@ -232,6 +234,22 @@ class CompilePool:
                 self._executor.shutdown()  # its threads end after the done callbacks
                 self._executor = None
             self._unfinished, self.busy = 0, False
+
+
+def _before_exit_joins(executor: ThreadPoolExecutor) -> None:
+    """At interpreter exit, drop ``executor``'s queued variants before its threads are joined:
+    no launch will need them, and the exit then waits only for the compilations already running
+    (one per thread), not for every queued one (12 queued one-second compilations on one thread
+    held a finished script for 12 s). Python joins the pool's threads after its threading
+    exit hooks, which run latest-registered first, so this one runs before
+    concurrent.futures' own."""
+    register = getattr(threading, "_register_atexit", None)  # (private; absent: as before)
+    if register is None:
+        return
+    try:
+        register(functools.partial(executor.shutdown, wait=False, cancel_futures=True))
+    except RuntimeError:  # the interpreter is already exiting
+        pass
 
 
 def trailing_arguments(kernel: Any, count: int, meta: Mapping[str, Any]) -> tuple[Any, ...]:
