@@ -239,8 +239,8 @@ class CompilePool:
 def _before_exit_joins(executor: ThreadPoolExecutor) -> None:
     """At interpreter exit, drop ``executor``'s queued variants before its threads are joined:
     no launch will need them, and the exit then waits only for the compilations already running
-    (one per thread), not for every queued one (12 queued one-second compilations on one thread
-    held a finished script for 12 s). Python joins the pool's threads after its threading
+    (one per thread), not for every queued one (12 queued half-second compilations on one
+    thread held a finished script 6 s). Python joins the pool's threads after its threading
     exit hooks, which run latest-registered first, so this one runs before
     concurrent.futures' own."""
     register = getattr(threading, "_register_atexit", None)  # (private; absent: as before)
