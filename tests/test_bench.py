@@ -1158,6 +1158,27 @@ def test_a_suite_interrupted_outside_its_rows_stops_the_run(fresh_stop):
     assert fresh_stop.requested and results.notes == []
 
 
+def test_a_run_after_an_interrupted_one_starts_afresh(fresh_stop, monkeypatch, capsys):
+    """cli.main called again in one process (after a Ctrl-C) measures again: the stop is
+    cleared when a run starts, and its exit status says whether it was interrupted."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cli._device, "kernel_device_error", lambda device: None)
+    monkeypatch.setattr(cli, "header_lines", lambda *args: [])
+    seen = []
+
+    def run_suites(args, device):  # type: ignore[no-untyped-def]
+        seen.append(timing.STOP.requested)
+        timing.STOP.requested = len(seen) == 1  # the first run is interrupted
+        return RunResults()
+
+    monkeypatch.setattr(cli, "run_suites", run_suites)
+    assert cli.main(["--suite", "square"]) == 130
+    assert "interrupted" in capsys.readouterr().out
+    assert cli.main(["--suite", "square"]) == 0
+    assert seen == [False, False]
+
+
 # --- fresh processes: --help and --list with only the core dependencies -------------------------
 
 def test_help_and_list_run_without_plotting_packages():

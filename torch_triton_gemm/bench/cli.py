@@ -388,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(f"# {line}" for line in header), flush=True)
     torch.manual_seed(0)
     # A time limit's SIGTERM stops the run as Ctrl-C does: the rows measured so far are
-    # printed and written.
+    # printed and written. (A run in the same process after an interrupted one starts afresh.)
+    timing.STOP.requested = False
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         results = run_suites(args, device)
