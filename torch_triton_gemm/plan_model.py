@@ -259,7 +259,8 @@ def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: i
     splits and the tiles of one program an SM that the model picks over them buy nothing. On
     an H100 every such move timed ran faster: 10 of 10 products, 1.14-1.45x (Llama-3-8B's qkv
     at 256 tokens 43.3 -> 30.5 us; docs/data/overlap-tiles-h100.csv,
-    mid-rows-h100-seed2070-every-plan.csv, co-resident-ab-h100-seed2077-*.csv). Costed so
+    mid-rows-h100-seed2070-every-plan.csv, co-resident-ab-h100-seed2077-*.csv), and held out
+    afterwards 28 of 28, 1.10-1.46x (co-resident-ab-h100-seed207{8,9}-*.csv). Costed so
     against every plan, 64x128 portable tiles two to an SM also took products from TMA tiles of
     twice their size filling one wave, a toss-up there (0.78-1.20x, 14 products of seed 2077):
     hence within the portable kernel only."""
