@@ -396,3 +396,33 @@ def test_rows_timed_before_a_launch_change_teach_all_but_the_launches():
     assert worst(fit.fit([*old, *new], 132, base)) < 0.05
     unmarked = [dataclasses.replace(r, before=False) for r in old]
     assert worst(fit.fit([*unmarked, *new], 132, base)) > 0.1
+
+
+def test_single_round_tma_launches_cost_less_than_the_fitted_launch():
+    """A TMA plan whose programs each finish one tile is charged SINGLE_ROUND_LAUNCH of its
+    tile's launch; the same plan with a second round of tiles, a split plan and the portable
+    kernel keep the whole launch."""
+    costs = plan_model.H100_COSTS
+    tile = tuning.TileConfig(128, 64, 64, 8, 4, 4)
+    tma = tuning.MMPlan("tma", tile)
+    launch = plan_model.tile_cost(costs, "tma", tile).launch_us
+    factor = plan_model.SINGLE_ROUND_LAUNCH["tma"]
+    assert factor < 1
+
+    def saved(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
+        before = plan_model.SINGLE_ROUND_LAUNCH.copy()
+        try:
+            plan_model.SINGLE_ROUND_LAUNCH.clear()
+            whole = plan_model.predict_us(costs, plan, m, n, k, 2, 2)
+        finally:
+            plan_model.SINGLE_ROUND_LAUNCH.update(before)
+        return whole - plan_model.predict_us(costs, plan, m, n, k, 2, 2)
+
+    # 8960 x 64: 70 tiles of 128 x 64 on 132 SMs, one round.
+    assert saved(tma, 8960, 64, 632) == pytest.approx(launch * (1 - factor))
+    # 132 * 2 tiles: a second round.
+    assert saved(tma, 128 * 264, 64, 632) == 0
+    assert saved(dataclasses.replace(tma, split_k=4), 640, 64, 8192) == 0
+    assert saved(dataclasses.replace(tma, kernel="portable"), 8960, 64, 632) == 0
+    work = plan_model.plan_work(tma, 8960, 64, 632, costs.machine.num_sms)
+    assert plan_model.single_round(work)

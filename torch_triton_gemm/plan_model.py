@@ -209,6 +209,26 @@ def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) 
     return rounds if rounds > fit else 1 + (rounds - 1) * CO_RESIDENT_ROUND
 
 
+# What a launch of one round costs, as a fraction of the fitted launch constant, on the kernels
+# where the fit over-charges it (single_round): TMA programs that each finish one tile.
+SINGLE_ROUND_LAUNCH = {"tma": 0.8}
+
+
+def single_round(work: Work) -> bool:
+    """Whether every program of ``work`` finishes at most one tile, unsplit: no second round,
+    reduction or fix-up after it. The constants, fitted over plans of every length, charged
+    such plans 1.25-2x what they ran on an H100 on both kernels (tall short-K outputs: TMA
+    128-row tiles 7-12 us where 10-20 were predicted, docs/data/plans-h100-seed2080-trailing.csv);
+    most of it is the launch, which in a one-round TMA launch overlaps the descriptors' set-up
+    and the programs' prologues. Charging the TMA kernel's one-round launches 0.8 of the
+    constant moved 106 of 2400 picks on held-out sweep seeds 2081-2083 (bf16 and fp16; the
+    plans before and after, each timed twice, alternating, on one H100,
+    docs/data/single-round-ab-h100-seed*.csv): 1.093x faster in geomean (1.034x, 1.111x,
+    1.114x per seed), 67 faster by more than 5%, 8 slower (384 x 3 x 64 with a column-major
+    A: 2.1 -> 2.7 us); many moves replace a K split (two launches) with one TMA launch."""
+    return work.tiles <= 1 and not work.reduce and not work.fixup_bytes
+
+
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, aligned: bool = True, narrow: bool = False,
                a_m_contiguous: bool = False, pitch_vector: int = 0, *,
@@ -232,7 +252,10 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes
     bandwidth = min(machine.bytes_per_us, work.busy * machine.sm_bytes_per_us)
-    time = cost.launch_us + max(compute, bytes_moved / bandwidth)
+    launch = cost.launch_us
+    if single_round(work):
+        launch *= SINGLE_ROUND_LAUNCH.get(kernel, 1.0)
+    time = launch + max(compute, bytes_moved / bandwidth)
     if work.reduce:
         time += costs.launch_us["reduce"]
     if work.fixup_bytes:
