@@ -26,9 +26,11 @@ class _Recorder:
     """Stands in for Triton: ``kernel[grid](*args, **meta)`` (the JIT) records the launch by
     parameter name and returns a compiled kernel whose launcher records its calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, c_launcher: bool = False) -> None:
         self.jit: list[tuple[str, tuple[int, ...], dict[str, object]]] = []
         self.direct: list[tuple[str, tuple[int, ...], int, dict[str, object]]] = []
+        self.c_launcher = c_launcher  # compiled kernels' launchers in Triton 3.6's form
+        self.through_wrapper = 0  # calls of such a launcher itself (not its C function)
 
     def getitem(self, kernel, grid):  # type: ignore[no-untyped-def]
         name = kernel.fn.__name__
@@ -45,15 +47,40 @@ class _Recorder:
                 self.direct.append((name, (grid_0, grid_1, grid_2), stream,
                                     dict(zip(names, arguments))))
 
-            return types.SimpleNamespace(run=run, function=name, packed_metadata="packed")
+            def c_launch(grid_0, grid_1, grid_2, stream, function, cooperative, pdl,
+                         global_scratch, profile_scratch, *rest):  # type: ignore[no-untyped-def]
+                assert (cooperative, pdl, global_scratch, profile_scratch) == (
+                    False, True, None, None)
+                run(grid_0, grid_1, grid_2, stream, function, *rest)
+
+            launcher = _TritonLauncher(c_launch, self) if self.c_launcher else run
+            return types.SimpleNamespace(run=launcher, function=name, packed_metadata="packed")
 
         return jit
 
 
-@pytest.fixture
-def recorder(monkeypatch):  # type: ignore[no-untyped-def]
-    """Launches as on a GPU (compiled kernels, direct launches), recorded instead of run."""
-    record = _Recorder()
+class _TritonLauncher:
+    """A compiled kernel's launcher of Triton 3.6's form (CudaLauncher): its C function
+    ``launch`` behind a wrapper that allocates scratch buffers (none here) and counts its
+    calls in the recorder."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, launch, record=None) -> None:  # type: ignore[no-untyped-def]
+        self.launch, self.record = launch, record
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # type: ignore[no-untyped-def]
+        self.record.through_wrapper += 1
+        return self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid,
+                           self.launch_pdl, None, None, *args)
+
+
+@pytest.fixture(params=[False, True], ids=["launcher", "c-launcher"])
+def recorder(monkeypatch, request):  # type: ignore[no-untyped-def]
+    """Launches as on a GPU (compiled kernels, direct launches), recorded instead of run; the
+    compiled kernels' launchers plain functions, or of Triton 3.6's form (see _c_launch)."""
+    record = _Recorder(c_launcher=request.param)
     monkeypatch.setattr(launcher, "_INTERPRETED", False)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_current_stream", lambda device: _STREAM)
@@ -73,9 +100,11 @@ def _expect_direct_launches_repeat_the_jit(record: _Recorder, calls: int,
                                            tensors: dict[str, object]) -> None:
     """The first call launched through the JIT; each later call launched the same kernels
     directly, on the current stream, with the JIT launch's arguments (the kernels' defaults
-    for parameters the JIT was not given) and this call's tensors."""
+    for parameters the JIT was not given) and this call's tensors, as their addresses
+    (integers: the launcher does not look them up again)."""
     kernels = len(record.jit)
     assert kernels >= 1 and len(record.direct) == kernels * (calls - 1)
+    assert record.through_wrapper == 0  # Triton 3.6's launchers: their C function directly
     for call in range(calls - 1):
         for (name, grid, by_name), direct in zip(
                 record.jit, record.direct[call * kernels:(call + 1) * kernels]):
@@ -83,11 +112,12 @@ def _expect_direct_launches_repeat_the_jit(record: _Recorder, calls: int,
             assert (direct_name, direct_grid, stream) == (name, (*grid, 1, 1)[:3], _STREAM)
             for param, value in passed.items():
                 if param in tensors:
-                    assert value is tensors[param], param
+                    tensor = tensors[param]
+                    assert value is None if tensor is None else (
+                        type(value) is int and value == tensor.data_ptr()), param
                 elif isinstance(by_name.get(param), torch.Tensor):
-                    expected = by_name[param]
-                    assert (value.shape, value.stride(), value.dtype) == (
-                        expected.shape, expected.stride(), expected.dtype), param
+                    # A buffer or padded copy of the call's own: its address.
+                    assert type(value) is int and value != 0, param
                 elif param in by_name:
                     assert value == by_name[param], param
 
@@ -128,6 +158,10 @@ def test_direct_launches_repeat_launches_on_padded_copies(recorder, device, monk
     run_launch = launcher.run_launch
     monkeypatch.setattr(launcher, "run_launch",
                         lambda *args: through_run_launch.append(1) or run_launch(*args))
+    copies: list[torch.Tensor] = []  # every padded copy made (kept: addresses stay unique)
+    copy = operands.Pad.copy
+    monkeypatch.setattr(operands.Pad, "copy",
+                        lambda pad, t: copies.append(copy(pad, t)) or copies[-1])
     a = randn((3, 37), torch.float16, device)
     b = randn((48, 37), torch.float16, device).t()
     for _ in range(3):
@@ -139,9 +173,10 @@ def test_direct_launches_repeat_launches_on_padded_copies(recorder, device, monk
     first = recorder.jit[0][2]
     pitch = operands.PAD_BYTES // 2
     assert first["a_ptr"].stride() == (pitch, 1) and first["b_ptr"].stride() == (1, pitch)
+    made = {c.data_ptr(): c for c in copies}
     for _, _, _, passed in recorder.direct:
-        assert passed["a_ptr"] is not a and passed["b_ptr"] is not b
-        assert torch.equal(passed["a_ptr"], a) and torch.equal(passed["b_ptr"], b)
+        assert passed["a_ptr"] != a.data_ptr() and passed["b_ptr"] != b.data_ptr()
+        assert torch.equal(made[passed["a_ptr"]], a) and torch.equal(made[passed["b_ptr"]], b)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -210,3 +245,25 @@ def test_kept_tma_launches_prepare_host_descriptor_variants_until_settled(record
     monkeypatch.setattr(launcher, "_capturing", lambda: False)
     tg.mm(a, b)  # still settled at generation 6: direct
     assert calls() == (1, 6, 4, 1)
+
+
+def test_c_launch_only_for_the_launcher_form_it_knows():
+    """The C function is called directly only for Triton 3.6's launcher form without scratch
+    memory; other launchers (another signature, scratch buffers to allocate) are called as
+    they are."""
+    def c_launch(*args):  # type: ignore[no-untyped-def]
+        return args
+
+    known = _TritonLauncher(c_launch)
+    assert launcher._c_launch(known) == (c_launch, (False, True, None, None))
+    scratch = _TritonLauncher(c_launch)
+    scratch.global_scratch_size = 128
+    assert launcher._c_launch(scratch) is None
+
+    class Other(_TritonLauncher):
+        def __call__(self, gridX, gridY, gridZ, stream, function, metadata,  # type: ignore[no-untyped-def]
+                     *args):
+            raise AssertionError
+
+    assert launcher._c_launch(Other(c_launch)) is None
+    assert launcher._c_launch(lambda *args: None) is None
