@@ -81,6 +81,8 @@ def recorder(monkeypatch, request):  # type: ignore[no-untyped-def]
     """Launches as on a GPU (compiled kernels, direct launches), recorded instead of run; the
     compiled kernels' launchers plain functions, or of Triton 3.6's form (see _c_launch)."""
     record = _Recorder(c_launcher=request.param)
+    monkeypatch.setattr(launcher, "_TRITON_3_6", True)  # the launcher form of that release
+    monkeypatch.setattr(launcher, "_LAUNCHER_FORMS", {})
     monkeypatch.setattr(launcher, "_INTERPRETED", False)
     monkeypatch.setattr(launcher, "_current_device", lambda: 0)
     monkeypatch.setattr(launcher, "_current_stream", lambda device: _STREAM)
@@ -247,15 +249,23 @@ def test_kept_tma_launches_prepare_host_descriptor_variants_until_settled(record
     assert calls() == (1, 6, 4, 1)
 
 
-def test_c_launch_only_for_the_launcher_form_it_knows():
+def test_c_launch_only_for_the_launcher_form_it_knows(monkeypatch):
     """The C function is called directly only for Triton 3.6's launcher form without scratch
-    memory; other launchers (another signature, scratch buffers to allocate) are called as
-    they are."""
+    memory; other launchers (another signature, scratch buffers to allocate, another Triton
+    release) are called as they are."""
     def c_launch(*args):  # type: ignore[no-untyped-def]
         return args
 
     known = _TritonLauncher(c_launch)
+    monkeypatch.setattr(launcher, "_LAUNCHER_FORMS", {})
+    monkeypatch.setattr(launcher, "_TRITON_3_6", False)
+    assert launcher._c_launch(known) is None
+    monkeypatch.setattr(launcher, "_LAUNCHER_FORMS", {})
+    monkeypatch.setattr(launcher, "_TRITON_3_6", True)
     assert launcher._c_launch(known) == (c_launch, (False, True, None, None))
+    flagless = _TritonLauncher(c_launch)
+    flagless.launch_pdl = None
+    assert launcher._c_launch(flagless) is None
     scratch = _TritonLauncher(c_launch)
     scratch.global_scratch_size = 128
     assert launcher._c_launch(scratch) is None

@@ -643,17 +643,22 @@ def _c_launch(run: Any) -> tuple[Any, tuple[Any, ...]] | None:
     form = _LAUNCHER_FORMS.get(type(run))
     if form is None:
         try:
-            form = list(inspect.signature(type(run).__call__).parameters) == _CALL_3_6
+            form = _TRITON_3_6 and list(
+                inspect.signature(type(run).__call__).parameters) == _CALL_3_6
         except (TypeError, ValueError):
             form = False
         _LAUNCHER_FORMS[type(run)] = form
+    flags = (getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None))
     if not form or getattr(run, "global_scratch_size", 1) or getattr(
-            run, "profile_scratch_size", 1) or not hasattr(run, "launch"):
+            run, "profile_scratch_size", 1) or None in flags or not hasattr(run, "launch"):
         return None
-    return run.launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
+    return run.launch, (*flags, None, None)
 
 
-# Triton 3.6's CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args).
+# Triton 3.6's CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args), which
+# calls launch(gridX, gridY, gridZ, stream, function, launch_cooperative_grid, launch_pdl,
+# global_scratch, profile_scratch, *args); other releases keep their wrapper.
+_TRITON_3_6 = triton.__version__.startswith("3.6.")
 _CALL_3_6 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
 _LAUNCHER_FORMS: dict[type, bool] = {}
 
