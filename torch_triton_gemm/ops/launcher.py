@@ -602,7 +602,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     else:
         _run_direct(gemm, stream, pointers)
     if reduce is not None:
-        _run_direct((reduce,), stream, pointers[4:5] + pointers[2:4])
+        _run_direct((reduce,), stream, (pointers[4], pointers[2], pointers[3]))  # ws, out, bias
 
 
 # One kernel launch as run_kept makes it: the function to call (the compiled kernel's
