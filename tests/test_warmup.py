@@ -8,6 +8,7 @@ the variants are compared by their keys, which are what Triton specialises on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -344,6 +345,51 @@ def test_the_fingerprint_is_tritons_own():
     import triton.runtime.cache as triton_cache
 
     assert compile_pool.triton_fingerprint() == triton_cache.triton_key()
+
+
+class _Compiled:
+    """What Triton's warmup returns, as build_launcher reads it: source, metadata, and the
+    module once loaded."""
+
+    def __init__(self, module=None):  # type: ignore[no-untyped-def]
+        self.src, self.metadata, self.module = object(), object(), module
+
+
+def test_a_compiled_variant_gets_its_launcher_built_on_the_compiling_thread(monkeypatch):
+    """compile_variant builds the C launcher of what it compiled on its own thread (from the
+    compiled kernel's source and metadata), not for kernels already loaded or for anything
+    that is no compiled kernel; a launcher that fails to build is left to the launch."""
+    built: list[tuple] = []
+
+    def launcher_class(src, metadata):  # type: ignore[no-untyped-def]
+        built.append((src, metadata, threading.current_thread().name))
+
+    monkeypatch.setattr(compile_pool, "_launcher_class", lambda: launcher_class)
+    compiled = _Compiled()
+
+    class Kernel:
+        def warmup(self, *args, grid, **meta):  # type: ignore[no-untyped-def]
+            assert args == (1, 2) and grid == (3,) and meta == {"BLOCK": 4}
+            return compiled
+
+    monkeypatch.setattr(compile_pool.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(compile_pool, "compile_processes", lambda: 0)
+    pool = compile_pool.CompilePool(compile_pool.compile_variant)
+    pool.submit("variant", Kernel(), (3,), (1, 2), {"BLOCK": 4}, 0).result(timeout=30)
+    pool.reset()
+    assert built == [(compiled.src, compiled.metadata, built[0][2])]
+    assert built[0][2].startswith("tgemm-compile")
+    compile_pool.build_launcher(_Compiled(module=object()))  # loaded: Triton built it then
+    compile_pool.build_launcher(None)  # no compiled kernel (a future, say)
+    assert len(built) == 1
+
+    def failing(src, metadata):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(compile_pool, "_launcher_class", lambda: failing)
+    compile_pool.build_launcher(_Compiled())  # no error: the launch builds and reports it
+    monkeypatch.setattr(compile_pool, "_launcher_class", lambda: None)
+    compile_pool.build_launcher(_Compiled())
 
 
 def test_variant_keys_follow_triton_specialisation():
