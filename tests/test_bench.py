@@ -269,6 +269,15 @@ def test_few_row_sets_over_a_range_of_weight_rows(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_info:
             plans.main(["--few-rows-n", bad])
         assert exit_info.value.code == 2 and "--few-rows-n" in capsys.readouterr().err
+    shapes = plans._cases([], 1, 10, shapes=[(512, 6144, 4040), (64, 64, 64)])
+    assert shapes == [suites.Case("shapes", "512x6144x4040", 512, 6144, 4040),
+                      suites.Case("shapes", "64^3", 64, 64, 64)]
+    assert shapes[0].a_layout == "row" and shapes[0].b_layout == "col"  # x @ W.t()
+    both = plans._cases(["classes"], 1, 10, shapes=[(512, 6144, 4040)])
+    assert both[-1] == shapes[0] and both[:-1] == plans._cases(["classes"], 1, 10)
+    with pytest.raises(SystemExit) as exit_info:
+        plans.main(["--shapes", "512x6144", "--csv", "x.csv"])
+    assert exit_info.value.code == 2 and "not MxNxK" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

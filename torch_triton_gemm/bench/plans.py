@@ -17,6 +17,9 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
         (weights of fewer 64-row tiles than half a wave: the rule's lower bounds)
     python -m torch_triton_gemm.bench.plans --suites midrows --seed 2070 --count 40 \\
         --dtypes bf16 --csv mid-rows.csv   (every plan, the same weights against 33-512 rows)
+    python -m torch_triton_gemm.bench.plans --shapes 512x6144x4040,8192x1000x1000 \\
+        --dtypes bf16,fp16 --csv shapes.csv   (every plan of products of your own, in
+        nn.Linear's layout: a row-major [M, K], b = W.t(); with --suites, those too)
 
 The ``scaled`` suite's fp8 products (tensorwise, rowwise and blockwise scales, each
 accumulation mode) take the plan space for 1-byte operands and every plan of Hopper's precise
@@ -49,6 +52,7 @@ import torch
 
 from .. import device as _device
 from .. import tuning
+from ..warming import parse_shapes
 from . import fit, suites
 from .gemm import DTYPES, make_operands
 from .suites import Case, ScaledCase
@@ -68,7 +72,10 @@ AnyCase = Case | ScaledCase
 def _cases(names: Sequence[str], seed: int, count: int,
            scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS,
            scaled_layers: Sequence[tuple[str, int, int]] = suites.LLAMA_LAYERS,
-           few_rows_n: tuple[int, int] = suites.FEW_ROWS_N) -> list[AnyCase]:
+           few_rows_n: tuple[int, int] = suites.FEW_ROWS_N,
+           shapes: Sequence[tuple[int, int, int]] = ()) -> list[AnyCase]:
+    """The cases of the suites ``names`` (see --suites), then ``shapes`` (M, N, K) as cases of
+    a suite named "shapes", in nn.Linear's layout."""
     cases: list[AnyCase] = []
     for name in names:
         if name == "scaled-fewrows":
@@ -79,7 +86,7 @@ def _cases(names: Sequence[str], seed: int, count: int,
             cases += suites.scaled_cases(llama_ms=scaled_ms, layers=scaled_layers)
         else:
             cases += suites.plan_sweep_cases(name, seed, count, few_rows_n)
-    return cases
+    return cases + suites.shape_cases("shapes", shapes)
 
 
 @dataclasses.dataclass
@@ -367,11 +374,15 @@ def _n_range(text: str) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--suites", default="sweep,classes",
+    parser.add_argument("--suites", default=None,
                         help="comma-separated: sweep, mm suite names, scaled, fewrows / "
                              "scaled-fewrows (--count seeded 16-bit / fp8 products of 2-32 "
                              "rows, for the transposed rule) and midrows / scaled-midrows "
-                             "(the same weights against 33-512 rows)")
+                             "(the same weights against 33-512 rows); default sweep,classes, "
+                             "none with --shapes")
+    parser.add_argument("--shapes", type=parse_shapes, default=(), metavar="MxNxK,...",
+                        help="also time these products (comma-separated MxNxK, out[M, N] = "
+                             "a[M, K] @ b[K, N]; a row-major, b = W.t() as in nn.Linear)")
     parser.add_argument("--few-rows-n", default=suites.FEW_ROWS_N, metavar="LO,HI",
                         type=_n_range,
                         help="fewrows / scaled-fewrows: draw the weight's rows N over LO..HI "
@@ -463,8 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
-    cases = _cases([s.strip() for s in args.suites.split(",")], args.seed, args.count,
-                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS, args.few_rows_n)
+    names = args.suites if args.suites is not None else "" if args.shapes else "sweep,classes"
+    cases = _cases([s.strip() for s in names.split(",") if s.strip()], args.seed, args.count,
+                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS, args.few_rows_n,
+                   args.shapes)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:

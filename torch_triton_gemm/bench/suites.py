@@ -143,7 +143,9 @@ def _pick(full: Sequence, quick_indices: Sequence[int], quick: bool) -> list:
     return [full[i] for i in quick_indices] if quick else list(full)
 
 
-def _shape_cases(suite: str, shapes: Sequence[tuple[int, int, int]]) -> list[Case]:
+def shape_cases(suite: str, shapes: Sequence[tuple[int, int, int]]) -> list[Case]:
+    """``shapes`` (M, N, K) as cases of ``suite``, in nn.Linear's layout (a row-major, b =
+    W.t())."""
     return [Case(suite, _shape_name(m, n, k), m, n, k) for m, n, k in shapes]
 
 
@@ -362,7 +364,7 @@ def suite_cases(suite: str, quick: bool = False, *, seed: int = SWEEP_SEED,
     with ``quick``)."""
     if suite == "square":
         sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
-        return _shape_cases(suite, [(s, s, s) for s in sizes])
+        return shape_cases(suite, [(s, s, s) for s in sizes])
     if suite == "llama":
         return _llama_cases(suite, QUICK_LLAMA_MS if quick else LLAMA_MS)
     if suite == "decode":
@@ -372,11 +374,11 @@ def suite_cases(suite: str, quick: bool = False, *, seed: int = SWEEP_SEED,
         return [Case(suite, "a-row b-row", s, s, s, a_layout="row", b_layout="row"),
                 Case(suite, "a-col b-col", s, s, s, a_layout="col", b_layout="col")]
     if suite == "odd":
-        return _shape_cases(suite, _pick(ODD_SHAPES, QUICK_ODD, quick))
+        return shape_cases(suite, _pick(ODD_SHAPES, QUICK_ODD, quick))
     if suite == "deepk":
-        return _shape_cases(suite, _pick(DEEP_K_SHAPES, QUICK_DEEP_K, quick))
+        return shape_cases(suite, _pick(DEEP_K_SHAPES, QUICK_DEEP_K, quick))
     if suite == "shallowk":
-        return _shape_cases(suite, _pick(SHALLOW_K_SHAPES, QUICK_SHALLOW_K, quick))
+        return shape_cases(suite, _pick(SHALLOW_K_SHAPES, QUICK_SHALLOW_K, quick))
     if suite == "latency":
         return [Case(suite, name, m, n, k) for name, m, n, k in LATENCY_SHAPES]
     if suite == "training":
