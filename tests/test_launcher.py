@@ -31,6 +31,8 @@ class _Recorder:
         self.direct: list[tuple[str, tuple[int, ...], int, dict[str, object]]] = []
         self.c_launcher = c_launcher  # compiled kernels' launchers in Triton 3.6's form
         self.through_wrapper = 0  # calls of such a launcher itself (not its C function)
+        self.scratch_size = 0  # global scratch bytes per program of the TMA kernel's launchers
+        self.scratch: list[object] = []  # the global scratch each C function call was given
 
     def getitem(self, kernel, grid):  # type: ignore[no-untyped-def]
         name = kernel.fn.__name__
@@ -49,11 +51,15 @@ class _Recorder:
 
             def c_launch(grid_0, grid_1, grid_2, stream, function, cooperative, pdl,
                          global_scratch, profile_scratch, *rest):  # type: ignore[no-untyped-def]
-                assert (cooperative, pdl, global_scratch, profile_scratch) == (
-                    False, True, None, None)
+                assert (cooperative, pdl, profile_scratch) == (False, True, None)
+                self.scratch.append(global_scratch)
                 run(grid_0, grid_1, grid_2, stream, function, *rest)
 
-            launcher = _TritonLauncher(c_launch, self) if self.c_launcher else run
+            launcher = run
+            if self.c_launcher:
+                launcher = _TritonLauncher(c_launch, self)
+                if name == "mm_tma_kernel":
+                    launcher.global_scratch_size = self.scratch_size
             return types.SimpleNamespace(run=launcher, function=name, packed_metadata="packed")
 
         return jit
@@ -69,6 +75,8 @@ class _TritonLauncher:
 
     def __init__(self, launch, record=None) -> None:  # type: ignore[no-untyped-def]
         self.launch, self.record = launch, record
+
+    global_scratch_align = 128
 
     def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # type: ignore[no-untyped-def]
         self.record.through_wrapper += 1
@@ -259,21 +267,59 @@ def test_c_launch_only_for_the_launcher_form_it_knows(monkeypatch):
     known = _TritonLauncher(c_launch)
     monkeypatch.setattr(launcher, "_LAUNCHER_FORMS", {})
     monkeypatch.setattr(launcher, "_TRITON_3_6", False)
-    assert launcher._c_launch(known) is None
+    assert launcher._c_launch(known, (1, 1, 1)) is None
     monkeypatch.setattr(launcher, "_LAUNCHER_FORMS", {})
     monkeypatch.setattr(launcher, "_TRITON_3_6", True)
-    assert launcher._c_launch(known) == (c_launch, (False, True, None, None))
+    assert launcher._c_launch(known, (4, 2, 1)) == (c_launch, (False, True, None, None), 0)
     flagless = _TritonLauncher(c_launch)
     flagless.launch_pdl = None
-    assert launcher._c_launch(flagless) is None
+    assert launcher._c_launch(flagless, (1, 1, 1)) is None
     scratch = _TritonLauncher(c_launch)
-    scratch.global_scratch_size = 128
-    assert launcher._c_launch(scratch) is None
+    scratch.global_scratch_size = 384  # three TMA descriptors per program
+    assert launcher._c_launch(scratch, (132, 1, 1)) == (
+        c_launch, (False, True, launcher._SCRATCH, None), 132 * 384)
+    scratch.global_scratch_align = 1024  # more than torch's allocations promise
+    assert launcher._c_launch(scratch, (132, 1, 1)) is None
+    profiled = _TritonLauncher(c_launch)
+    profiled.profile_scratch_size = 64
+    assert launcher._c_launch(profiled, (1, 1, 1)) is None
 
     class Other(_TritonLauncher):
         def __call__(self, gridX, gridY, gridZ, stream, function, metadata,  # type: ignore[no-untyped-def]
                      *args):
             raise AssertionError
 
-    assert launcher._c_launch(Other(c_launch)) is None
-    assert launcher._c_launch(lambda *args: None) is None
+    assert launcher._c_launch(Other(c_launch), (1, 1, 1)) is None
+    assert launcher._c_launch(lambda *args: None, (1, 1, 1)) is None
+
+
+def test_direct_tma_launches_get_the_shared_scratch_buffer(recorder, device, monkeypatch):
+    """Kept launches of the persistent TMA kernel, whose device-side descriptors need global
+    scratch memory, call Triton's C function too: with the address of the shared scratch
+    buffer of the current stream, of the size Triton's launcher would have asked for (a slice
+    per program), not through the launcher and its allocator. Launchers of other forms are
+    called as they are (they allocate their own)."""
+    recorder.scratch_size = 384
+    monkeypatch.setattr(operands._device, "supports_tma", lambda device: True)
+    monkeypatch.setattr(graph_descriptors, "prepare", lambda *args: True)
+    monkeypatch.setattr(mm_module, "plan_mm", lambda *args: tuning.MMPlan(
+        "tma", tuning.TileConfig(16, 32, 32, 1, 4, 2)))
+    buffers: list[tuple[int, int, torch.Tensor]] = []
+
+    def shared_scratch(size: int, stream: int) -> torch.Tensor:
+        buffers.append((size, stream, torch.empty(size, dtype=torch.int8)))
+        return buffers[-1][2]
+
+    monkeypatch.setattr(launcher._device, "shared_scratch", shared_scratch)
+    a = randn((3, 64), torch.float16, device)
+    b = randn((48, 64), torch.float16, device).t()
+    for _ in range(3):
+        tg.mm(a, b)
+    assert [name for name, _, _ in recorder.jit] == ["mm_tma_kernel"]
+    _expect_direct_launches_repeat_the_jit(recorder, 3, {"a_ptr": a, "b_ptr": b})
+    if not recorder.c_launcher:
+        assert buffers == [] and recorder.scratch == []
+        return
+    programs = recorder.direct[0][1][0] * recorder.direct[0][1][1] * recorder.direct[0][1][2]
+    assert [(size, stream) for size, stream, _ in buffers] == [(programs * 384, _STREAM)] * 2
+    assert recorder.scratch == [buffer.data_ptr() for _, _, buffer in buffers]

@@ -139,15 +139,23 @@ def supports_tma(device: torch.device) -> bool:
 def _allocate_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side TMA descriptors live in a small global-memory scratch buffer that Triton asks
     # its allocator for at each launch. tgemm's own eager launches (inside ``SHARED_SCRATCH``)
-    # take one buffer per device and stream, grown on demand: kernels on one stream run one
-    # after another (those tgemm launches with programmatic dependent launch wait for the one
-    # before before building descriptors: kernels/matmul.py), so a launch may
-    # take the buffer of the previous one, which saves an allocation per launch (host time of
-    # small eager GEMMs). Other launches -- kernels of other libraries that use this allocator,
-    # graphs compiled by Inductor, CUDA graph captures (a graph may replay on any stream,
-    # alongside eager launches) -- get a buffer of their own, from the graph's pool when
-    # capturing.
-    if not getattr(_SHARING, "on", False) or torch._C._cuda_isCurrentStreamCapturing():
+    # take the shared buffer of ``shared_scratch``; other launches -- kernels of other libraries
+    # that use this allocator, graphs compiled by Inductor -- get a buffer of their own.
+    if not getattr(_SHARING, "on", False):
+        return torch.empty(size, device="cuda", dtype=torch.int8)
+    return shared_scratch(size, stream)
+
+
+def shared_scratch(size: int, stream: int | None) -> torch.Tensor:
+    """A scratch buffer of at least ``size`` bytes for one of tgemm's own eager launches on the
+    current device and ``stream``: one buffer per device and stream, grown on demand. Kernels
+    on one stream run one after another (those tgemm launches with programmatic dependent
+    launch wait for the one before before building descriptors: kernels/matmul.py), so a
+    launch may take the buffer of the previous one, which saves an allocation per launch (host
+    time of small eager GEMMs). A launch captured into a CUDA graph (which may replay on any
+    stream, alongside eager launches) gets a buffer of its own, from the graph's pool; the
+    caller keeps it alive until the launch is queued."""
+    if torch._C._cuda_isCurrentStreamCapturing():
         return torch.empty(size, device="cuda", dtype=torch.int8)
     key = (torch._C._cuda_getDevice(), stream)
     buffer = _SCRATCH_BUFFERS.get(key)

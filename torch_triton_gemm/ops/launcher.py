@@ -574,7 +574,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                 direct.tma_host[0] = graph_descriptors.GENERATION
             prepared.compiled[-1][device] = direct
         return
-    gemm, reduce, workspace_shape, locks_shape, tma, _ = direct
+    gemm, reduce, workspace_shape, locks_shape, tma, scratch, _ = direct
     workspace = locks = None
     if workspace_shape is not None:
         workspace = split_workspace(workspace_shape, a.device, False)
@@ -595,12 +595,17 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                 None if locks is None else locks.data_ptr(),
                 None if scale_a is None else scale_a.data_ptr(),
                 None if scale_b is None else scale_b.data_ptr())
+    # Device-side TMA descriptors' scratch memory: the shared buffer's address for launches
+    # through Triton's C function (the buffer kept alive until they are queued), Triton's
+    # allocator for launches through its launcher.
+    buffer = _device.shared_scratch(scratch, stream) if scratch else None
+    address = None if buffer is None else buffer.data_ptr()
     if tma:
         _device.install_tma_allocator()  # per thread where Triton needs it (autograd's too)
         with _device.SHARED_SCRATCH:
-            _run_direct(gemm, stream, pointers)
+            _run_direct(gemm, stream, pointers, address)
     else:
-        _run_direct(gemm, stream, pointers)
+        _run_direct(gemm, stream, pointers, address)
     if reduce is not None:
         _run_direct((reduce,), stream, (pointers[4], pointers[2], pointers[3]))  # ws, out, bias
 
@@ -618,28 +623,38 @@ class _DirectLaunches(NamedTuple):
     reduce: DirectLaunch | None
     workspace_shape: tuple[int, ...] | None
     locks_shape: tuple[int] | None
-    tma: bool  # TMA kernels: device-side descriptors need the scratch allocator
+    # Device-side TMA descriptors: launched through Triton's launcher, which asks the scratch
+    # allocator (tma), or through its C function, given the shared scratch buffer of this many
+    # bytes (scratch; 0: none needed).
+    tma: bool
+    scratch: int
     # The persistent TMA kernel's: [the graph_descriptors.GENERATION at which its
     # host-descriptor variants were last found settled, or -1]; None for other kernels.
     tma_host: list[int] | None
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
-                pointers: tuple[int | None, ...]) -> None:
+                pointers: tuple[int | None, ...], scratch: int | None = None) -> None:
     # Triton's launcher contract (see _TRITON_RUNTIME): grid, stream, function, metadata, the
     # launch metadata and hooks (none: run_kept is not used with hooks set), arguments; the
-    # C function's has the launch flags and scratch buffers before the metadata (_c_launch).
+    # C function's has the launch flags and scratch buffers before the metadata (_c_launch),
+    # the global one's address (``scratch``) where it holds _SCRATCH.
     for launch, function, head, grid_0, grid_1, grid_2, rest in launches:
+        if head[2] is _SCRATCH:
+            head = (head[0], head[1], scratch, *head[3:])
         launch(grid_0, grid_1, grid_2, stream, function, *head, *pointers, *rest)
 
 
-def _c_launch(run: Any) -> tuple[Any, tuple[Any, ...]] | None:
-    """The C function behind a compiled kernel's launcher ``run`` and the arguments it takes
-    between the kernel's handle and the metadata (launch flags, no scratch buffers), where
-    calling it is what ``run`` would do: Triton 3.6's CudaLauncher, which calls it after
-    allocating scratch buffers, for kernels that need none. None otherwise (other Triton
-    versions, other launchers, kernels with scratch memory: ``run`` is called). On an H100,
-    calling it saved 1.3 us of an 8.3-us direct launch (64^3, portable kernel)."""
+def _c_launch(run: Any, grid: tuple[int, int, int]
+              ) -> tuple[Any, tuple[Any, ...], int] | None:
+    """The C function behind a compiled kernel's launcher ``run``, the arguments it takes
+    between the kernel's handle and the metadata (launch flags, then the global scratch
+    buffer -- _SCRATCH where the kernel needs one, for the caller to fill in -- and no profile
+    scratch), and the bytes of global scratch a launch on ``grid`` needs, where calling it is
+    what ``run`` would do: Triton 3.6's CudaLauncher, which calls it after asking the
+    allocators for those buffers. None otherwise (other Triton versions, other launchers,
+    profile scratch: ``run`` is called). On an H100, calling it saved 1.3 us of an 8.3-us
+    direct launch (64^3, portable kernel)."""
     form = _LAUNCHER_FORMS.get(type(run))
     if form is None:
         try:
@@ -649,10 +664,14 @@ def _c_launch(run: Any) -> tuple[Any, tuple[Any, ...]] | None:
             form = False
         _LAUNCHER_FORMS[type(run)] = form
     flags = (getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None))
-    if not form or getattr(run, "global_scratch_size", 1) or getattr(
-            run, "profile_scratch_size", 1) or None in flags or not hasattr(run, "launch"):
+    size = getattr(run, "global_scratch_size", None)
+    if not form or getattr(run, "profile_scratch_size", 1) or None in flags or not hasattr(
+            run, "launch") or type(size) is not int or (
+            size and getattr(run, "global_scratch_align", _SCRATCH_ALIGN + 1) > _SCRATCH_ALIGN):
         return None
-    return run.launch, (*flags, None, None)
+    # (CudaLauncher's own arithmetic: a slice of ``size`` bytes per program.)
+    scratch = grid[0] * grid[1] * grid[2] * getattr(run, "num_ctas", 1) * size
+    return run.launch, (*flags, _SCRATCH if scratch else None, None), scratch
 
 
 # Triton 3.6's CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function, *args), which
@@ -661,6 +680,10 @@ def _c_launch(run: Any) -> tuple[Any, tuple[Any, ...]] | None:
 _TRITON_3_6 = triton.__version__.startswith("3.6.")
 _CALL_3_6 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
 _LAUNCHER_FORMS: dict[type, bool] = {}
+# Where a direct launch's global scratch address goes (_run_direct fills it in per call), and
+# the alignment torch's allocations (the shared scratch buffer) always have.
+_SCRATCH = object()
+_SCRATCH_ALIGN = 256
 
 
 def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches | None:
@@ -668,12 +691,17 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
     compiled kernel of each of its launches there; None where some launch went through
     Triton's JIT. (Padded copies are made by run_kept before the launches, as by run_launch:
     the kept arguments are the copies' strides.)"""
+    scratch, through_wrapper = [0], [False]
+
     def direct(cache: dict[int, Any], runtime_args: tuple[Any, ...]) -> DirectLaunch:
         launched, grid, tail = cache[device]
         launch, head = launched.run, ()
-        c_launch = _c_launch(launched.run)
-        if c_launch is not None:
-            launch, head = c_launch
+        c_launch = _c_launch(launched.run, grid)
+        if c_launch is None:
+            through_wrapper[0] = True
+        else:
+            launch, head, size = c_launch
+            scratch[0] = max(scratch[0], size)
         return (launch, launched.function, (*head, launched.packed_metadata, None, None, None),
                 *grid, (*runtime_args, *tail))
 
@@ -685,7 +713,7 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
                  for (_, _, runtime_args), cache in zip(prepared.launches, caches))
     reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
-                           _builds_descriptors(prepared),
+                           _builds_descriptors(prepared) and through_wrapper[0], scratch[0],
                            [-1] if prepared.kernel is mm_tma_kernel else None)
 
 
