@@ -201,14 +201,22 @@ def test_co_resident_programs_count_part_of_a_round_each():
     assert shared[1:] == plain[1:]
 
 
-@pytest.mark.parametrize("m, n, k", [(256, 6144, 4096), (309, 4923, 6016), (193, 5760, 3328),
-                                     (80, 8896, 4224)])
+@pytest.mark.parametrize("m, n, k, kernel, block_m, block_n", [
+    (256, 6144, 4096, "portable", 64, 128), (309, 4923, 6016, "portable", 64, 128),
+    (193, 5760, 3328, "tma", 128, 128), (80, 8896, 4224, "portable", 64, 128)])
 def test_a_portable_pick_gives_way_to_a_second_wave_that_shares_the_sms(h100, monkeypatch,
-                                                                         m, n, k):
+                                                                         m, n, k, kernel,
+                                                                         block_m, block_n):
     """On an H100 these ran unsplit on 64x128 portable tiles (two to an SM) 1.19-1.45x faster
     than the portable K splits the model picks without co-residence (Llama-3-8B's qkv at 256
     tokens: 30.5 us against 43.3; docs/data/overlap-tiles-h100.csv,
-    mid-rows-h100-seed2070-every-plan.csv, co-resident-ab-h100-seed2077-*.csv)."""
+    mid-rows-h100-seed2070-every-plan.csv, co-resident-ab-h100-seed2077-*.csv). 193 x 5760 x
+    3328 has since gone to one round of 128x128 TMA tiles on 90 SMs (partial_round): 26.0 us
+    against those portable tiles' 24.9 (docs/data/partial-round-ab-h100.csv); unsplit too."""
+    plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False)
+    assert (plan.kernel, plan.tile.block_m, plan.tile.block_n, plan.split_k) == (
+        kernel, block_m, block_n, 1)
+    monkeypatch.setattr(plan_model, "PARTIAL_ROUND", (1.0, 0.0))
     plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, True, False)
     assert (plan.kernel, plan.tile.block_m, plan.tile.block_n, plan.split_k) == (
         "portable", 64, 128, 1)
@@ -426,3 +434,30 @@ def test_single_round_tma_launches_cost_less_than_the_fitted_launch():
     assert saved(dataclasses.replace(tma, kernel="portable"), 8960, 64, 632) == 0
     work = plan_model.plan_work(tma, 8960, 64, 632, costs.machine.num_sms)
     assert plan_model.single_round(work)
+
+
+def test_one_round_of_tma_programs_on_part_of_the_sms_costs_less_compute(h100):
+    """partial_round: a TMA plan whose programs each run one tile at once on half the SMs or
+    more is charged PARTIAL_ROUND of its compute (less the fuller the round); a second round,
+    fewer than half the SMs busy, a short K loop and the portable kernel keep the constants'
+    charge. It moves Llama-3-8B's qkv at 512 tokens from 128x128 K splits onto one round of
+    128x256 tiles (on an H100: 43.7 us against 55.4, docs/data/partial-round-ab-h100.csv)."""
+    num_sms = 132
+    tile = tuning.TileConfig(128, 256, 64, 8, 8, 3)
+    tma = tuning.MMPlan("tma", tile)
+
+    def factor(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
+        work = plan_model.plan_work(plan, m, n, k, num_sms)
+        return plan_model.partial_round(plan.kernel, work, num_sms)
+
+    floor, slope = plan_model.PARTIAL_ROUND
+    # 4 x 24 tiles of 128 x 256 on 96 SMs, 64 K steps each.
+    assert factor(tma, 512, 6144, 4096) == pytest.approx(floor + slope * 96 / num_sms)
+    assert factor(tma, 512, 6144, 4096) < factor(tma, 640, 6144, 4096) < 1  # 120 SMs
+    assert factor(tma, 1024, 8192, 4096) == 1  # 256 tiles: two rounds
+    assert factor(tma, 256, 6144, 4096) == 1  # 48 SMs
+    assert factor(tma, 512, 6144, 512) == 1  # 8 K steps
+    assert factor(dataclasses.replace(tma, kernel="portable"), 512, 6144, 4096) == 1
+    plan = plan_model.modelled_plan(512, 6144, 4096, 2, 2, True, num_sms, True, False)
+    assert (plan.kernel, plan.tile.block_m, plan.tile.block_n, plan.split_k) == (
+        "tma", 128, 256, 1)

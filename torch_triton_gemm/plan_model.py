@@ -229,6 +229,39 @@ def single_round(work: Work) -> bool:
     return work.tiles <= 1 and not work.reduce and not work.fixup_bytes
 
 
+# The compute of one round of TMA programs on half the SMs or more (and at least this many K
+# steps on the busiest one), as a fraction of what the constants charge: PARTIAL_ROUND[0] +
+# PARTIAL_ROUND[1] * the fraction of SMs busy (see partial_round).
+PARTIAL_ROUND = (0.8, 0.2)
+PARTIAL_ROUND_STEPS = 16
+PARTIAL_ROUND_FILL = 0.5
+
+
+def partial_round(kernel: str, work: Work, num_sms: int) -> float:
+    """What ``work``'s compute on ``kernel`` costs, as a fraction of the constants' charge,
+    where it is one round of programs on part of the SMs (every busy program one tile or one
+    split of one, all at once): with fewer SMs drawing on L2 and memory, each K step is faster.
+    1 elsewhere.
+
+    The constants, fitted mostly on full rounds, charged one-round plans of at least 16 K steps
+    1.6-1.8x their time with a few SMs busy, 1.15-1.2x with half and 1.0-1.1x with three
+    quarters, on both kernels, split or not (every plan of docs/data/plans-h100-*.csv; two
+    rounds or more: about what they took). Applied there (0.55 + 0.6 * the fraction busy), it
+    took K splits from small products onto one round of a few SMs, which ran slower on an
+    H100 (576 x 120 x 1976: 6.8 -> 9.7 us). Applied to TMA plans on half the SMs or more
+    (this rule), the picks it moved among the products timed (docs/data/partial-round-ab-h100.csv,
+    each plan twice, alternating): 512 x 6144 x 4096 (Llama-3-8B's qkv at 512 tokens), 512 x
+    6144 x 4040, 768 x 4096 x 4096 and 1664 x 1736 x 2496 from 128x128 K splits or portable
+    tiles onto one round of 128x256 tiles, 1.24-1.32x faster (55.4 -> 43.7 us); 193 x 5760 x
+    3328 and 81 x 9916 x 1280, 0.96-0.99x. The fill bound was chosen after those timings; the
+    picks it moves on other seeds have not been timed yet."""
+    if (kernel != "tma" or work.tiles > 1 or work.busy >= num_sms
+            or work.steps < PARTIAL_ROUND_STEPS or work.busy < PARTIAL_ROUND_FILL * num_sms):
+        return 1.0
+    floor, slope = PARTIAL_ROUND
+    return min(1.0, floor + slope * work.busy / num_sms)
+
+
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, aligned: bool = True, narrow: bool = False,
                a_m_contiguous: bool = False, pitch_vector: int = 0, *,
@@ -248,6 +281,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
         work = dataclasses.replace(work, steps=work.steps * rounds / work.tiles, tiles=rounds)
     cost = tile_cost(costs, kernel, plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
+    compute *= partial_round(plan.kernel, work, machine.num_sms)
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes

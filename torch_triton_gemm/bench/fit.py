@@ -199,6 +199,8 @@ def fit(rows: Sequence[Timed], num_sms: int,
                                 for r, w in zip(rows, works)])
     copied = np.array([r.plan.kernel == "tma" and not r.aligned for r in rows], dtype=float)
     fixup_bytes = np.array([w.fixup_bytes for w in works])
+    partial = np.array([plan_model.partial_round(r.plan.kernel, w, num_sms)  # (not fitted)
+                        for r, w in zip(rows, works)])
     fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
     n_globals = len(GLOBALS)
@@ -223,7 +225,7 @@ def fit(rows: Sequence[Timed], num_sms: int,
         launch, step, per = per_tile[tile, 0], per_tile[tile, 1], per_tile[tile, 2]
         if eras:
             launch = launch * np.where(before > 0, factors[era], 1.0)
-        compute = steps * step + tiles * per + exchanges * g[2]
+        compute = (steps * step + tiles * per) * partial + exchanges * g[2]
         bandwidth = np.minimum(g[3], busy * g[4])
         time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
         time += fixup * g[5] + fixup_bytes / 1024 * g[6]
