@@ -246,13 +246,14 @@ def partial_round(kernel: str, work: Work, num_sms: int) -> float:
     The constants, fitted mostly on full rounds, charged one-round plans of at least 16 K steps
     1.6-1.8x their time with a few SMs busy, 1.15-1.2x with half and 1.0-1.1x with three
     quarters, on both kernels, split or not (every plan of docs/data/plans-h100-*.csv; two
-    rounds or more: about what they took). Applied there (0.55 + 0.6 * the fraction busy), it
-    took K splits from small products onto one round of a few SMs, which ran slower on an
+    rounds or more: about what they took). Applied to both kernels at any fill (0.8 + 0.2 *
+    the fraction busy, 16+ K steps), it also took K splits of small products (whose splits, of
+    fewer K steps, it left alone) onto one round on a fifth of the SMs, which ran slower on an
     H100 (576 x 120 x 1976: 6.8 -> 9.7 us). Applied to TMA plans on half the SMs or more
     (this rule), the picks it moved among the products timed (docs/data/partial-round-ab-h100.csv,
     each plan twice, alternating): 512 x 6144 x 4096 (Llama-3-8B's qkv at 512 tokens), 512 x
     6144 x 4040, 768 x 4096 x 4096 and 1664 x 1736 x 2496 from 128x128 K splits or portable
-    tiles onto one round of 128x256 tiles, 1.24-1.32x faster (55.4 -> 43.7 us); 193 x 5760 x
+    tiles onto one round of 128x256 tiles, 1.24-1.32x faster (55.2 -> 43.7 us); 193 x 5760 x
     3328 and 81 x 9916 x 1280, 0.96-0.99x. The fill bound was chosen after those timings; the
     picks it moves on other seeds have not been timed yet."""
     if (kernel != "tma" or work.tiles > 1 or work.busy >= num_sms
