@@ -1417,16 +1417,22 @@ def test_plan_sweep_passes_keep_each_plans_best_time_and_errors():
 def test_plan_sweep_trailing_keeps_the_cases_below_the_ratio(tmp_path):
     from torch_triton_gemm.bench import plans
 
-    rows = [{"name": "8x8x8", "dtype": "bf16", "ratio": "0.5"},
-            {"name": "8x8x8", "dtype": "fp16", "ratio": "0.9"},
-            {"name": "9x9x9 b-row", "dtype": "fp16", "ratio": "0.79"},
-            {"name": "7x7x7", "dtype": "fp16", "ratio": "", "error": "RuntimeError: x"}]
+    rows = [{"name": "8x8x8", "M": 8, "N": 8, "K": 8, "dtype": "bf16", "ratio": "0.5"},
+            {"name": "8x8x8", "M": 8, "N": 8, "K": 8, "dtype": "fp16", "ratio": "0.9"},
+            {"name": "9x9x9 b-row", "M": 9, "N": 9, "K": 9, "dtype": "fp16", "ratio": "0.79"},
+            {"name": "7x7x7", "M": 7, "N": 7, "K": 7, "dtype": "fp16", "ratio": "",
+             "error": "RuntimeError: x"},
+            # Suites reuse names: Llama's qkv at two token counts.
+            {"name": "qkv", "M": 16, "N": 6144, "K": 4096, "dtype": "bf16", "ratio": "0.7"},
+            {"name": "qkv", "M": 512, "N": 6144, "K": 4096, "dtype": "bf16", "ratio": "0.95"}]
     path = tmp_path / "chosen.csv"
     with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, ["name", "dtype", "ratio", "error"])
+        writer = csv.DictWriter(file, ["name", "M", "N", "K", "dtype", "ratio", "error"])
         writer.writeheader()
         writer.writerows(rows)
-    assert plans.trailing_cases(str(path), 0.8) == {("8x8x8", "bf16"), ("9x9x9 b-row", "fp16")}
+    assert plans.trailing_cases(str(path), 0.8) == {
+        ("8x8x8", 8, 8, 8, "bf16"), ("9x9x9 b-row", 9, 9, 9, "fp16"),
+        ("qkv", 16, 6144, 4096, "bf16")}
     assert plans.trailing_cases(str(path), 0.5) == set()
 
 
@@ -1481,7 +1487,32 @@ def test_plan_picks_on_any_host_are_the_plan_models_and_find_what_a_change_moves
                           for r in changes} == expected
     assert all(r["plan_before"].startswith("tma:") and r["plan"] != r["plan_before"]
                for r in changes)
-    assert plans.listed_cases(moved) == {(key[0], key[3]) for key in expected}
+    sizes = {(r["name"], r["a_layout"], r["b_layout"], r["dtype"]): (r["M"], r["N"], r["K"])
+             for r in rows}
+    assert plans.listed_cases(moved) == {plans.case_key(key[0], *sizes[key], key[3])
+                                         for key in expected}
+
+
+def test_plan_picks_tell_cases_of_one_name_apart_and_the_partial_round_rule_off(tmp_path):
+    """The mm suites reuse names (Llama-3-8B's qkv at every token count): bench.picks
+    --against and bench.plans --cases key cases by their sizes too. --whole-rounds plans with
+    plan_model.partial_round off (the other arm of its A/B), in that call only: against it,
+    the rule moves Llama's qkv at 512 tokens alone, onto one round of 128x256 TMA tiles."""
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks, plans
+
+    whole, moved = str(tmp_path / "whole.csv"), str(tmp_path / "moved.csv")
+    rule = plan_model.PARTIAL_ROUND
+    argv = ["--suites", "llama", "--dtypes", "bf16"]
+    assert picks.main([*argv, "--whole-rounds", "--csv", whole]) == 0
+    assert plan_model.PARTIAL_ROUND == rule
+    assert picks.main([*argv, "--csv", moved, "--against", whole]) == 0
+    with open(moved, newline="") as file:
+        changes = list(csv.DictReader(file))
+    assert [(r["name"], r["M"], r["plan"]) for r in changes] == [
+        ("qkv", "512", "tma:128x256x64w8s3:sk1")]
+    assert changes[0]["plan_before"] != changes[0]["plan"]
+    assert plans.listed_cases(moved) == {("qkv", 512, 6144, 4096, "bf16")}
 
 
 def test_plan_sweep_wide_space_adds_plans_the_planners_rules_leave_out(monkeypatch):

@@ -233,6 +233,7 @@ def single_round(work: Work) -> bool:
 # steps on the busiest one), as a fraction of what the constants charge: PARTIAL_ROUND[0] +
 # PARTIAL_ROUND[1] * the fraction of SMs busy (see partial_round).
 PARTIAL_ROUND = (0.8, 0.2)
+WHOLE_ROUNDS = (1.0, 0.0)  # (PARTIAL_ROUND that charges every round in full: A/Bs of the rule)
 PARTIAL_ROUND_STEPS = 16
 PARTIAL_ROUND_FILL = 0.5
 

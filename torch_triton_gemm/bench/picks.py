@@ -24,13 +24,13 @@ import argparse
 import contextlib
 import csv
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from unittest import mock
 
 import torch
 
 from .. import device as _device
-from .. import tuning
+from .. import plan_model, tuning
 from ..ops.planner import model_view, modelled_mm_plan
 from . import suites
 from .gemm import DTYPES, make_operands
@@ -87,14 +87,19 @@ def picks(cases: Sequence[Case], dtypes: Sequence[str]) -> list[dict[str, object
     return rows
 
 
+def _key(row: Mapping[str, object]) -> tuple[str, ...]:
+    # Name, layouts, sizes and dtype: the suites reuse names (Llama's qkv at every M).
+    return tuple(str(row[f]) for f in ("name", "a_layout", "b_layout", "M", "N", "K", "dtype"))
+
+
 def changed(rows: Sequence[dict[str, object]], before: Sequence[dict[str, str]]
             ) -> list[dict[str, object]]:
     """The rows whose plan differs from ``before``'s row of the same case and dtype, with
     before's plan as ``plan_before`` (cases ``before`` lacks are left out)."""
-    earlier = {(r["name"], r["a_layout"], r["b_layout"], r["dtype"]): r["plan"] for r in before}
+    earlier = {_key(r): r["plan"] for r in before}
     out = []
     for row in rows:
-        plan = earlier.get((row["name"], row["a_layout"], row["b_layout"], row["dtype"]))
+        plan = earlier.get(_key(row))
         if plan is not None and plan != row["plan"]:
             out.append({**row, "plan_before": plan})
     return out
@@ -112,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--csv", required=True)
     parser.add_argument("--against", default=None, metavar="CSV",
                         help="an earlier run's CSV: write only the cases whose plan changed")
+    parser.add_argument("--whole-rounds", action="store_true",
+                        help="plan as if one round of programs on part of the SMs cost the "
+                             "constants' whole charge (plan_model.partial_round off), as "
+                             "bench.plans --whole-rounds times it")
     args = parser.parse_args(argv)
     dtypes = args.dtypes.split(",")
     bad = [d for d in dtypes if d not in ("bf16", "fp16")]
@@ -122,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  for case in suites.plan_sweep_cases(name, args.seed, args.count)]
     except ValueError as error:
         parser.error(f"--suites: {error}")
-    rows = picks(cases, dtypes)
+    rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
+    with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds):
+        rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:
         try:

@@ -15,6 +15,10 @@ the data the planner's rules are read off and checked against. Needs a CUDA GPU.
     python -m torch_triton_gemm.bench.plans --suites fewrows --seed 2050 --count 96 \\
         --few-rows-n 2048,4224 --chosen-only [--untransposed] --csv low-fill.csv
         (weights of fewer 64-row tiles than half a wave: the rule's lower bounds)
+    python -m torch_triton_gemm.bench.picks --seed 2090 --whole-rounds --csv whole.csv
+    python -m torch_triton_gemm.bench.picks --seed 2090 --csv moved.csv --against whole.csv
+    python -m torch_triton_gemm.bench.plans --suites sweep --seed 2090 --cases moved.csv \\
+        --chosen-only [--whole-rounds] --csv rounds.csv   (plan_model.partial_round on / off)
     python -m torch_triton_gemm.bench.plans --suites midrows --seed 2070 --count 40 \\
         --dtypes bf16 --csv mid-rows.csv   (every plan, the same weights against 33-512 rows)
     python -m torch_triton_gemm.bench.plans --shapes 512x6144x4040,8192x1000x1000 \\
@@ -51,7 +55,7 @@ from typing import Any
 import torch
 
 from .. import device as _device
-from .. import tuning
+from .. import plan_model, tuning
 from ..warming import parse_shapes
 from . import fit, suites
 from .gemm import DTYPES, make_operands
@@ -456,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--trailing: whether they leave faster plans out)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
+    parser.add_argument("--whole-rounds", action="store_true",
+                        help="plan as if one round of programs on part of the SMs cost the "
+                             "constants' whole charge (plan_model.partial_round off): with "
+                             "--chosen-only, the other arm of its A/B")
     parser.add_argument("--untransposed", action="store_true",
                         help="plan as if the transposed rule (tuning.swap_plan) were off: with "
                              "--chosen-only, the other arm of its A/B")
@@ -471,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the plan sweep needs a CUDA GPU")
     if args.untransposed:
         tuning.SWAP_MAX_ROWS = 0
+    if args.whole_rounds:
+        plan_model.PARTIAL_ROUND = plan_model.WHOLE_ROUNDS
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
@@ -505,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = listed if wanted is None else wanted & listed
     jobs = [(case, dtype, *case_plans(case, dtype, args.wide_space)) for case in cases
             for dtype in (dtypes[:1] if isinstance(case, ScaledCase) else dtypes)
-            if wanted is None or (case.name, dtype) in wanted]
+            if wanted is None or case_key(case.name, case.m, case.n, case.k, dtype) in wanted]
     if args.chosen_only or args.fixup_ab or args.launch_variants:
         jobs = [(c, d, aligned, [_chosen_of(c, d)]) for c, d, aligned, _ in jobs]
     if args.fixup_ab:
@@ -579,18 +589,31 @@ def _scaled_layers(text: str) -> list[tuple[str, int, int]]:
     return layers
 
 
-def trailing_cases(path: str, below: float) -> set[tuple[str, str]]:
-    """(case name, dtype) of the rows of the plan-sweep CSV at ``path`` whose ratio to cuBLAS
-    is below ``below`` (rows without a ratio, failed ones, are left out)."""
+CaseKey = tuple[str, int, int, int, str]
+
+
+def case_key(name: str, m: int, n: int, k: int, dtype: str) -> CaseKey:
+    """What tells one timed case from another: its name, sizes and dtype (the suites reuse
+    names: Llama's qkv is one name at every M)."""
+    return (name, int(m), int(n), int(k), dtype)
+
+
+def _row_key(row: dict[str, str]) -> CaseKey:
+    return case_key(row["name"], int(row["M"]), int(row["N"]), int(row["K"]), row["dtype"])
+
+
+def trailing_cases(path: str, below: float) -> set[CaseKey]:
+    """``case_key`` of the rows of the plan-sweep CSV at ``path`` whose ratio to cuBLAS is below
+    ``below`` (rows without a ratio, failed ones, are left out)."""
     with open(path, newline="") as file:
-        return {(row["name"], row["dtype"]) for row in csv.DictReader(file)
+        return {_row_key(row) for row in csv.DictReader(file)
                 if row.get("ratio") and float(row["ratio"]) < below}
 
 
-def listed_cases(path: str) -> set[tuple[str, str]]:
-    """(case name, dtype) of every row of the CSV at ``path``."""
+def listed_cases(path: str) -> set[CaseKey]:
+    """``case_key`` of every row of the CSV at ``path``."""
     with open(path, newline="") as file:
-        return {(row["name"], row["dtype"]) for row in csv.DictReader(file)}
+        return {_row_key(row) for row in csv.DictReader(file)}
 
 
 def faster_rows(first: Sequence[dict[str, object]],
