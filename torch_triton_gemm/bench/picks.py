@@ -25,6 +25,7 @@ import contextlib
 import csv
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 from unittest import mock
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from .. import device as _device
 from .. import plan_model, tuning
 from ..ops.planner import model_view, modelled_mm_plan
-from . import suites
+from . import plans, suites
 from .gemm import DTYPES, make_operands
 from .suites import Case
 
@@ -87,9 +88,8 @@ def picks(cases: Sequence[Case], dtypes: Sequence[str]) -> list[dict[str, object
     return rows
 
 
-def _key(row: Mapping[str, object]) -> tuple[str, ...]:
-    # Name, layouts, sizes and dtype: the suites reuse names (Llama's qkv at every M).
-    return tuple(str(row[f]) for f in ("name", "a_layout", "b_layout", "M", "N", "K", "dtype"))
+def _key(row: Mapping[str, Any]) -> plans.CaseKey:
+    return plans.case_key(row["name"], row["M"], row["N"], row["K"], row["dtype"])
 
 
 def changed(rows: Sequence[dict[str, object]], before: Sequence[dict[str, str]]

@@ -640,7 +640,7 @@ def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
     # C function's has the launch flags and scratch buffers before the metadata (_c_launch),
     # the global one's address (``scratch``) where it holds _SCRATCH.
     for launch, function, head, grid_0, grid_1, grid_2, rest in launches:
-        if head[2] is _SCRATCH:
+        if scratch is not None and head[2] is _SCRATCH:
             head = (head[0], head[1], scratch, *head[3:])
         launch(grid_0, grid_1, grid_2, stream, function, *head, *pointers, *rest)
 
@@ -691,29 +691,32 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
     compiled kernel of each of its launches there; None where some launch went through
     Triton's JIT. (Padded copies are made by run_kept before the launches, as by run_launch:
     the kept arguments are the copies' strides.)"""
-    scratch, through_wrapper = [0], [False]
-
-    def direct(cache: dict[int, Any], runtime_args: tuple[Any, ...]) -> DirectLaunch:
+    def direct(cache: dict[int, Any], runtime_args: tuple[Any, ...]
+               ) -> tuple[DirectLaunch, int | None]:
+        # The launch, and the global scratch bytes its C function needs (None: the launch
+        # goes through Triton's launcher, which asks the allocator itself).
         launched, grid, tail = cache[device]
-        launch, head = launched.run, ()
+        launch, head, scratch = launched.run, (), None
         c_launch = _c_launch(launched.run, grid)
-        if c_launch is None:
-            through_wrapper[0] = True
-        else:
-            launch, head, size = c_launch
-            scratch[0] = max(scratch[0], size)
+        if c_launch is not None:
+            launch, head, scratch = c_launch
         return (launch, launched.function, (*head, launched.packed_metadata, None, None, None),
-                *grid, (*runtime_args, *tail))
+                *grid, (*runtime_args, *tail)), scratch
 
     caches = prepared.compiled
     if any(device not in cache for cache in caches[:len(prepared.launches)]) or (
             prepared.reduce is not None and device not in caches[-2]):
         return None
-    gemm = tuple(direct(cache, runtime_args)
-                 for (_, _, runtime_args), cache in zip(prepared.launches, caches))
-    reduce = None if prepared.reduce is None else direct(caches[-2], prepared.reduce[1])
+    launches = [direct(cache, runtime_args)
+                for (_, _, runtime_args), cache in zip(prepared.launches, caches)]
+    if prepared.reduce is not None:
+        launches.append(direct(caches[-2], prepared.reduce[1]))
+    sizes = [size for _, size in launches]
+    gemm = tuple(launch for launch, _ in launches[:len(prepared.launches)])
+    reduce = launches[-1][0] if prepared.reduce is not None else None
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
-                           _builds_descriptors(prepared) and through_wrapper[0], scratch[0],
+                           _builds_descriptors(prepared) and None in sizes,
+                           max((size or 0 for size in sizes), default=0),
                            [-1] if prepared.kernel is mm_tma_kernel else None)
 
 
