@@ -238,10 +238,10 @@ PARTIAL_ROUND_STEPS = 16
 PARTIAL_ROUND_FILL = 0.5
 
 
-def partial_round(kernel: str, work: Work, num_sms: int) -> float:
-    """What ``work``'s compute on ``kernel`` costs, as a fraction of the constants' charge,
-    where it is one round of programs on part of the SMs (every busy program one tile or one
-    split of one, all at once): with fewer SMs drawing on L2 and memory, each K step is faster.
+def partial_round(plan: tuning.MMPlan, work: Work, num_sms: int) -> float:
+    """What ``work``'s compute (``plan``'s) costs, as a fraction of the constants' charge,
+    where it is one round of unsplit programs on part of the SMs (every busy program one
+    whole tile, all at once): with fewer SMs drawing on L2 and memory, each K step is faster.
     1 elsewhere.
 
     The constants, fitted mostly on full rounds, charged one-round plans of at least 16 K steps
@@ -255,9 +255,13 @@ def partial_round(kernel: str, work: Work, num_sms: int) -> float:
     each plan twice, alternating): 512 x 6144 x 4096 (Llama-3-8B's qkv at 512 tokens), 512 x
     6144 x 4040, 768 x 4096 x 4096 and 1664 x 1736 x 2496 from 128x128 K splits or portable
     tiles onto one round of 128x256 tiles, 1.24-1.32x faster (55.2 -> 43.7 us); 193 x 5760 x
-    3328 and 81 x 9916 x 1280, 0.96-0.99x. The fill bound was chosen after those timings; the
-    picks it moves on other seeds have not been timed yet."""
-    if (kernel != "tma" or work.tiles > 1 or work.busy >= num_sms
+    3328 and 81 x 9916 x 1280, 0.96-0.99x. The fill bound was chosen after those timings.
+    Held out on sweep seeds 2088-2095 (docs/data/partial-round-held-out-h200.csv, each arm
+    twice, alternating, on an H200), that version moved 8 bf16 products: the 3 it moved onto
+    unsplit plans ran 1.05-1.38x faster (1408 x 886 x 2920: 32.5 -> 23.6 us), the 5 onto
+    K-split plans 0.77-0.98x (64 x 824 x 13440 with a column-major A: 12.3 -> 15.9 us); hence
+    unsplit plans only (every move of the first A/B was onto one too)."""
+    if (plan.kernel != "tma" or plan.split_k > 1 or work.tiles > 1 or work.busy >= num_sms
             or work.steps < PARTIAL_ROUND_STEPS or work.busy < PARTIAL_ROUND_FILL * num_sms):
         return 1.0
     floor, slope = PARTIAL_ROUND
@@ -283,7 +287,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
         work = dataclasses.replace(work, steps=work.steps * rounds / work.tiles, tiles=rounds)
     cost = tile_cost(costs, kernel, plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
-    compute *= partial_round(plan.kernel, work, machine.num_sms)
+    compute *= partial_round(plan, work, machine.num_sms)
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes

@@ -199,7 +199,7 @@ def fit(rows: Sequence[Timed], num_sms: int,
                                 for r, w in zip(rows, works)])
     copied = np.array([r.plan.kernel == "tma" and not r.aligned for r in rows], dtype=float)
     fixup_bytes = np.array([w.fixup_bytes for w in works])
-    partial = np.array([plan_model.partial_round(r.plan.kernel, w, num_sms)  # (not fitted)
+    partial = np.array([plan_model.partial_round(r.plan, w, num_sms)  # (not fitted)
                         for r, w in zip(rows, works)])
     fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
