@@ -440,8 +440,9 @@ def test_one_round_of_tma_programs_on_part_of_the_sms_costs_less_compute(h100):
     """partial_round: an unsplit TMA plan whose programs each run one tile at once on half the
     SMs or more is charged PARTIAL_ROUND of its compute (less the fuller the round); a second
     round, fewer than half the SMs busy, a short K loop, K splits and the portable kernel keep
-    the constants' charge. It moves Llama-3-8B's qkv at 512 tokens from 128x128 K splits onto one round of
-    128x256 tiles (on an H100: 43.7 us against 55.2, docs/data/partial-round-ab-h100.csv)."""
+    the constants' charge. It moves Llama-3-8B's qkv at 512 tokens from 128x128 K splits onto
+    one round of 128x256 tiles (on an H100: 43.7 us against 55.2,
+    docs/data/partial-round-ab-h100.csv)."""
     num_sms = 132
     tile = tuning.TileConfig(128, 256, 64, 8, 8, 3)
     tma = tuning.MMPlan("tma", tile)
