@@ -229,8 +229,8 @@ def single_round(work: Work) -> bool:
     return work.tiles <= 1 and not work.reduce and not work.fixup_bytes
 
 
-# The compute of one round of TMA programs on half the SMs or more (and at least this many K
-# steps on the busiest one), as a fraction of what the constants charge: PARTIAL_ROUND[0] +
+# The compute of one round of unsplit TMA programs on half the SMs or more (and at least this
+# many K steps on the busiest one), as a fraction of what the constants charge: PARTIAL_ROUND[0] +
 # PARTIAL_ROUND[1] * the fraction of SMs busy (see partial_round).
 PARTIAL_ROUND = (0.8, 0.2)
 WHOLE_ROUNDS = (1.0, 0.0)  # (PARTIAL_ROUND that charges every round in full: A/Bs of the rule)

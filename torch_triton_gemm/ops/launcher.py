@@ -607,7 +607,9 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     else:
         _run_direct(gemm, stream, pointers, address)
     if reduce is not None:
-        _run_direct((reduce,), stream, (pointers[4], pointers[2], pointers[3]))  # ws, out, bias
+        # (ws, out, bias; the scratch address too, which _direct_launches sized for every
+        # launch, the reduction's included)
+        _run_direct((reduce,), stream, (pointers[4], pointers[2], pointers[3]), address)
 
 
 # One kernel launch as run_kept makes it: the function to call (the compiled kernel's
