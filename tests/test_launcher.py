@@ -155,6 +155,63 @@ def test_direct_launches_repeat_split_k_and_its_reduction(recorder, device, monk
     _expect_direct_launches_repeat_the_jit(recorder, 2, {"a_ptr": a, "b_ptr": b})
 
 
+def test_eager_calls_launch_the_eager_plan_and_captures_the_planners(recorder, device,
+                                                                      monkeypatch):
+    """A signature whose plain eager calls take a plan of fewer launches than the planner's
+    (planner.eager_mm_plan, TORCH_TRITON_GEMM_EAGER_PLANS=1): its first call launches the
+    planner's plan (so that its kernels are loaded before any capture), later eager calls the
+    eager plan, and a CUDA-graph capture the planner's plan again, each directly once
+    compiled."""
+    plan_mm = mm_module.plan_mm
+    split = lambda *args: dataclasses.replace(plan_mm(*args), split_k=4)  # noqa: E731
+    monkeypatch.setattr(mm_module, "plan_mm", split)
+    monkeypatch.setattr(mm_module, "eager_mm_plan",
+                        lambda a, b, out, plan: dataclasses.replace(plan, split_k=1))
+    a = randn((2, 1024), torch.float16, device)
+    b = randn((1024, 32), torch.float16, device)
+
+    def launched() -> list[tuple[str, bool]]:
+        # Kernel and SPLIT of each launch since the last look, through the JIT or direct.
+        found = [(name, by_name.get("SPLIT")) for name, _, by_name in recorder.jit[seen[0]:]]
+        found += [(name, None) for name, *_ in recorder.direct[seen[1]:]]
+        seen[:] = [len(recorder.jit), len(recorder.direct)]
+        return found
+
+    seen = [0, 0]
+    tg.mm(a, b)
+    assert launched() == [("mm_kernel", True), ("splitk_reduce_kernel", None)]
+    tg.mm(a, b)
+    assert launched() == [("mm_kernel", False)]  # compiled and kept on first use
+    tg.mm(a, b)
+    assert launched() == [("mm_kernel", None)]  # direct
+    monkeypatch.setattr(launcher, "_capturing", lambda: True)
+    tg.mm(a, b)
+    assert launched() == [("mm_kernel", None), ("splitk_reduce_kernel", None)]
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
+    torch.ops.tgemm.mm(a, b, None, "none", None)
+    assert launched() == [("mm_kernel", None)]
+
+
+def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
+    a = randn((64, 128), torch.float16, "cpu")
+    b = randn((128, 48), torch.float16, "cpu")
+    out = torch.empty((64, 48), dtype=torch.float16)
+    tile = tuning.INTERPRETER_TILE
+    whole, split = (launcher.kept(launcher.prepare_launch(
+        a, b, None, out, "none", False, tuning.MMPlan("portable", tile, split_k=s), None))
+        for s in (1, 2))
+    assert split.reduce is not None and whole.reduce is None
+    plain = launcher.eager_or_capture(whole)
+    assert plain is whole
+    prepared = whole._replace(capture=split)
+    assert launcher.eager_or_capture(prepared) is split  # not run yet
+    split.compiled[-1][0] = "kept"  # as run_kept keeps its direct launches
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
+    assert launcher.eager_or_capture(prepared) is prepared
+    monkeypatch.setattr(launcher, "_capturing", lambda: True)
+    assert launcher.eager_or_capture(prepared) is split
+
+
 @pytest.mark.parametrize("kernel", ["tma", "portable"])
 def test_direct_launches_repeat_launches_on_padded_copies(recorder, device, monkeypatch, kernel):
     """Operands TMA cannot describe (a 37-element pitch: 74 bytes) copied into padded buffers

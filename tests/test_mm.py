@@ -35,6 +35,7 @@ import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import tuning
 from torch_triton_gemm.ops import mm as mm_module
+from torch_triton_gemm.ops import planner
 from torch_triton_gemm.ops.launcher import launch_mm
 from torch_triton_gemm.ops.planner import plan_mm
 
@@ -151,6 +152,40 @@ def test_property_random_problems(device, highest_fp32, m, n, k, dtype, layout_a
 def test_deterministic(device):
     a, b = randn((50, 90), torch.bfloat16, device), randn((90, 40), torch.bfloat16, device)
     assert torch.equal(tg.mm(a, b), tg.mm(a, b))
+
+
+def test_eager_plans_are_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("TORCH_TRITON_GEMM_EAGER_PLANS", raising=False)
+    assert not tuning.eager_plans_enabled()
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
+    assert tuning.eager_plans_enabled()
+
+
+@pytest.mark.gpu
+def test_eager_plans_run_one_launch_and_captures_the_planners(monkeypatch):
+    """With TORCH_TRITON_GEMM_EAGER_PLANS=1, a small product whose plan splits K: later eager
+    calls launch one kernel (the same bits each time), the first call and a CUDA-graph capture
+    the planner's split plan (the same bits as each other); all right to bf16 precision."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
+    a = randn((64, 1160), torch.bfloat16, "cuda")
+    b = randn((120, 1160), torch.bfloat16, "cuda").t()
+    out = torch.empty((64, 120), dtype=torch.bfloat16, device="cuda")
+    plan = planner.plan_mm(a, b, None, out, "none", False)
+    eager = planner.eager_mm_plan(a, b, out, plan)
+    assert plan.split_k > 1 and eager is not None and eager.split_k == 1
+    first = tg.mm(a, b)
+    later = [tg.mm(a, b) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tg.mm(a, b)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, captured)
+    assert torch.equal(later[1], later[0]) and torch.equal(later[2], later[0])
+    ref = reference(a, b, None, "none")
+    for got in (first, later[0], captured):
+        assert rel_error(got, ref) <= tolerance(torch.bfloat16, torch.bfloat16)
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -467,3 +467,86 @@ def test_one_round_of_tma_programs_on_part_of_the_sms_costs_less_compute(h100):
     plan = plan_model.modelled_plan(512, 6144, 4096, 2, 2, True, num_sms, True, False)
     assert (plan.kernel, plan.tile.block_m, plan.tile.block_n, plan.split_k) == (
         "tma", 128, 256, 1)
+
+
+def test_eager_launches_count_what_the_launcher_launches():
+    """eager_launches: one launch for an unsplit plan; a K split adds its reduction (not where
+    its splits finish their tiles), a tail split its whole tiles' own launch; a TMA plan on
+    operands it cannot describe as they are copies both first."""
+    num_sms = 132
+    tile = tuning.TileConfig(64, 128, 64, 8, 4, 4)
+    unsplit = tuning.MMPlan("portable", tile)
+    split = dataclasses.replace(unsplit, split_k=4)
+    assert plan_model.eager_launches(unsplit, 1536, 1536, 1536, num_sms) == (1, 0)
+    assert plan_model.eager_launches(split, 1536, 1536, 1536, num_sms) == (2, 0)
+    # 24 x 12 tiles: 264 run whole, the 24 left are split (a launch each, and the reduction).
+    tail = dataclasses.replace(split, split_tail=True)
+    assert plan_model.eager_launches(tail, 1536, 1536, 1536, num_sms) == (3, 0)
+    # 12 x 11 = 132 tiles: whole waves only, nothing split.
+    assert plan_model.eager_launches(tail, 768, 1408, 1536, num_sms) == (1, 0)
+    fixup = dataclasses.replace(split, split_fixup=True)
+    assert plan_model.eager_launches(fixup, 1536, 1536, 1536, num_sms) == (1, 0)
+    # One K step: nothing to split.
+    assert plan_model.eager_launches(split, 1536, 1536, 64, num_sms) == (1, 0)
+    tma = dataclasses.replace(unsplit, kernel="tma")
+    assert plan_model.eager_launches(tma, 512, 1304, 471, num_sms, 2) == (1, 2)
+    assert plan_model.eager_launches(unsplit, 512, 1304, 471, num_sms, 2) == (1, 0)
+
+
+def test_eager_time_is_the_longer_of_the_hosts_and_the_gpus():
+    costs = plan_model.with_machine(plan_model.H100_COSTS, 132)
+    host = plan_model.HostCosts(call_us=20.0, launch_us=10.0, copy_us=25.0)
+    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+    split = tuning.MMPlan("portable", tile, split_k=12)
+    args = (64, 120, 1160, 2, 2)
+    assert plan_model.predict_us(costs, split, *args) < 20  # a small product: the host decides
+    assert plan_model.eager_us(costs, host, split, *args) == 30.0
+    big = tuning.MMPlan("tma", tuning.TileConfig(128, 256, 64, 8, 8, 3))
+    args = (4096, 4096, 4096, 2, 2)
+    assert plan_model.eager_us(costs, host, big, *args) == plan_model.predict_us(costs, big, *args)
+    padded = plan_model.eager_us(costs, host, big, 64, 64, 472, 2, 2, False, copies=2)
+    assert padded == 20.0 + 2 * 25.0
+
+
+@pytest.mark.parametrize("m, n, k, copies, a_m_contiguous, moves", [
+    (64, 120, 1160, 0, False, True),  # a 12-way K split's reduction: more host than GPU time
+    (1536, 1536, 1536, 0, False, True),  # a tail split: three launches
+    (512, 1304, 471, 2, False, True),  # padded copies for TMA
+    (4096, 4096, 4096, 0, False, False),  # one launch already
+    (512, 6144, 4096, 0, False, False),
+    (128, 4480, 7040, 0, False, False),  # the split saves more GPU time than it costs the host
+])
+def test_eager_calls_take_one_launch_where_the_host_outweighs_the_gpu(h100, m, n, k, copies,
+                                                                       a_m_contiguous, moves):
+    """eager_plan: an eager call leaves the plan model's pick for a plan of one launch and no
+    more copies only where the pick's host time outweighs the GPU time it saves; the plan it
+    takes is of the space and costs less eager time by EAGER_MARGIN at least."""
+    num_sms = 132
+    narrow, aligned = k % 16 != 0, copies == 0
+    view = (aligned, narrow, a_m_contiguous)
+    picked = plan_model.modelled_plan(m, n, k, 2, 2, True, num_sms, *view)
+    eager = plan_model.eager_plan(picked, m, n, k, 2, 2, True, num_sms, *view, copies=copies)
+    assert (eager is not None) == moves
+    if eager is None:
+        return
+    costs = plan_model.with_machine(plan_model.H100_COSTS, num_sms)
+    host = plan_model.H100_HOST
+    args = (m, n, k, 2, 2, *view)
+    assert eager in list(tuning.plan_space(m, n, k, 2, True, num_sms, aligned))
+    assert (plan_model.eager_us(costs, host, eager, *args, copies=copies)
+            <= plan_model.EAGER_MARGIN * plan_model.eager_us(costs, host, picked, *args,
+                                                              copies=copies))
+    launches, copied = plan_model.eager_launches(eager, m, n, k, num_sms, copies)
+    assert launches == 1 and copied <= copies
+    # The GPU alone (a CUDA graph, which keeps the pick): the pick is predicted no slower.
+    assert (plan_model.predict_us(costs, picked, *args)
+            <= plan_model.predict_us(costs, eager, *args))
+
+
+def test_a_faster_host_keeps_the_picks_launches(h100):
+    picked = plan_model.modelled_plan(64, 120, 1160, 2, 2, True, 132, True, True)
+    assert plan_model.eager_launches(picked, 64, 120, 1160, 132) == (2, 0)
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, True, True) is not None
+    fast = plan_model.HostCosts(call_us=2.0, launch_us=0.5, copy_us=2.0)
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, True, True,
+                                 host=fast) is None

@@ -124,8 +124,10 @@ def test_backward_specs_of_row_major_operands_and_recomputing_activations():
 @pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
 def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
-    """Forward and backward of one product: the variants planned ahead are exactly the ones
-    the calls launch (kernel, meta-parameters and every specialised argument)."""
+    """Forward and backward of one product, twice: the variants planned ahead are exactly the
+    ones the calls launch (kernel, meta-parameters and every specialised argument), those of
+    plain eager calls' plans included where they launch fewer kernels than the planner's
+    (planner.eager_mm_plan; a signature's first call launches the planner's plan)."""
     M, N, K = _tail_rows(), 48, 96
     a = _operand(M, K, layout[0] == "t")
     b = _operand(K, N, layout[1] == "t")
@@ -136,7 +138,8 @@ def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
     with tuning.force_plan(forced) if forced else _nothing(), \
             torch.autograd.set_multithreading_enabled(False):
         expected = _keys(warming.all_specs([spec]))
-        tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
+        for _ in range(2):
+            tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
     assert set(launched) == expected
     kernels = {key[0] for key in expected}
     if forced is not None:
@@ -154,6 +157,25 @@ def test_variants_with_bias_and_a_recomputed_activation(monkeypatch):
     spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, "nt", bias=True, activation="gelu")
     tg.mm(a, b, bias, activation="gelu").backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
     assert set(launched) == _keys(warming.all_specs([spec]))
+
+
+def test_variants_of_a_product_whose_eager_calls_take_another_plan_are_both_plans(monkeypatch):
+    """Where plain eager calls launch fewer kernels than the planner's plan (one, where it
+    splits K: TORCH_TRITON_GEMM_EAGER_PLANS=1), compiling ahead covers both: captures launch
+    the planner's plan."""
+    M, N, K = _tail_rows(), 48, 96
+    spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, "nt")
+    split = PLANS["portable-tail-split3"]
+    whole = tuning.MMPlan("portable", tuning.TileConfig(16, 32, 64, 1, 4, 2))
+    with tuning.force_plan(split):
+        planned = _keys([spec])
+    with tuning.force_plan(whole):
+        eager = _keys([spec])
+    # Whole tiles, split tiles and the reduction; one launch.
+    assert len(planned) == 3 and len(eager) == 1 and not planned & eager
+    monkeypatch.setattr(compile_ahead, "eager_mm_plan", lambda a, b, out, plan: whole)
+    with tuning.force_plan(split):
+        assert _keys([spec]) == planned | eager
 
 
 def _nothing():  # type: ignore[no-untyped-def]

@@ -338,6 +338,108 @@ def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: i
     return shared if shared_time <= time else plan
 
 
+# --- eager calls: the host's time as well as the GPU's -----------------------------------------
+# Back-to-back eager calls each cost about the longer of the host's time to issue them and the
+# GPU's to run them. The host's, measured on an H100's host with the GPU kept busy
+# (docs/data/eager-host-diag-h100-3cb7a95.csv): a call of one kernel launch took about what
+# torch.mm took, 14-23 us; each further launch (a split's reduction, a tail split's second
+# GEMM launch) added about 10 us (64 x 120 x 1160 split 12 ways: 29.4 against torch.mm's
+# 18.9; 1536^3 with a tail split, three launches: 43.4 against 22.7), and copying operands TMA
+# cannot describe about 25 us an operand (512 x 1304 x 471: 73.1 against 23.3).
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What an eager call costs the host, in microseconds (see eager_us)."""
+
+    call_us: float  # a call that launches one kernel
+    launch_us: float  # each further kernel launch
+    copy_us: float  # each operand copied into an aligned buffer first
+
+
+H100_HOST = HostCosts(call_us=18.0, launch_us=10.0, copy_us=25.0)
+# An eager call moves off the plan model's pick only onto a plan predicted to take at most this
+# fraction of the pick's eager time: the GPU-time predictions of small products err by 10-20%.
+EAGER_MARGIN = 0.85
+
+
+def eager_launches(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int,
+                   copies: int = 0) -> tuple[int, int]:
+    """(kernel launches, operand copies) of an eager call of ``plan`` on an m x n x k product,
+    as the launcher makes them: a tail split launches its whole tiles and its split ones apart,
+    a split without fix-ups its reduction, and a TMA plan first copies the ``copies`` operands
+    it cannot describe as they are."""
+    split, _ = tuning.effective_split(k, plan.tile.block_k, plan.split_k)
+    if plan.stream_k and plan.kernel == "tma" and split <= 1:
+        return 2, 0  # the GEMM and the zeroing of its flags
+    whole, split = tuning.split_tiles(tuning.output_tiles(m, n, plan.tile), split,
+                                      plan.split_tail, num_sms)
+    launches = 1
+    if split > 1:
+        launches += (whole > 0) + (not tuning.fixes_up_splits(plan, split))
+    return launches, copies if plan.kernel == "tma" else 0
+
+
+def eager_us(costs: Costs, host: HostCosts, plan: tuning.MMPlan, m: int, n: int, k: int,
+             element_size: int, out_size: int, aligned: bool = True, narrow: bool = False,
+             a_m_contiguous: bool = False, pitch_vector: int = 0, copies: int = 0) -> float:
+    """Predicted time of ``plan`` per call in back-to-back eager calls: the longer of its kernel
+    time (``predict_us``) and the host's time to issue its launches and the copies of the
+    ``copies`` operands a TMA plan cannot read as they are."""
+    launches, copied = eager_launches(plan, m, n, k, costs.machine.num_sms, copies)
+    issue = host.call_us + (launches - 1) * host.launch_us + copied * host.copy_us
+    return max(issue, predict_us(costs, plan, m, n, k, element_size, out_size, aligned, narrow,
+                                 a_m_contiguous, pitch_vector))
+
+
+def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
+               out_size: int, tma: bool, num_sms: int, aligned: bool = True,
+               narrow: bool = False, a_m_contiguous: bool = False, pitch_vector: int = 0,
+               copies: int = 0, host: HostCosts = H100_HOST) -> tuning.MMPlan | None:
+    """The plan that eager calls of a product launch instead of ``picked`` (``modelled_plan``'s,
+    which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
+    operands TMA cannot read as they are (0 where ``aligned``). Where ``picked`` makes more
+    than one launch (a K split and its reduction) or copies operands: the plan of the space
+    that makes one launch and no more copies with the least ``eager_us``, if that is at most
+    EAGER_MARGIN of ``picked``'s (the host's time of ``picked``'s extra launches then outweighs
+    the GPU time they save). Such a plan sums in another order: other bits than ``picked``.
+
+    On an H100, on the 69 products of a seed-2110 sweep (bf16 and fp16) whose eager plan this
+    changed, both plans in one process, alternating: eager calls 1.38x faster in geomean,
+    0.645 -> 0.889 of torch.mm's eager speed, captures unchanged
+    (docs/data/eager-unsplit-ab-h100-seed2110.csv); 6 ran slower by more than 5%, the worst
+    1985 x 803 x 1128 with a column-major A in both dtypes (one TMA launch on a copy of A,
+    moved to a tail split in three launches: 39 -> 80 us in bf16), which is why only plans of
+    one launch qualify (chosen after that run), then 0.84-0.89x on four small products whose
+    other dtype ran 1.14-1.33x faster (the host's noise). The alternative that keeps the bits,
+    ``picked`` with splits that finish their tiles themselves (no reduction launch), gained
+    1.02x on seed 2111's 87 such products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv):
+    the fix-ups' kernel time ate the host's saving."""
+    m, n, k = max(m, 1), max(n, 1), max(k, 1)
+    costs = with_machine(H100_COSTS, num_sms)
+    launches, copied = eager_launches(picked, m, n, k, num_sms, copies)
+    if (launches, copied) == (1, 0):
+        return None  # nothing to save: every plan launches at least once
+    args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
+            copies)
+    plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
+             if not p.stream_k and not p.split_fixup]
+    plans = [p for p in plans if _fewer_launches(
+        eager_launches(p, m, n, k, num_sms, copies), (launches, copied))]
+    if not plans:
+        return None
+    best = min(plans, key=lambda p: eager_us(costs, host, p, *args))
+    if eager_us(costs, host, best, *args) > EAGER_MARGIN * eager_us(costs, host, picked, *args):
+        return None
+    return best
+
+
+def _fewer_launches(plan: tuple[int, int], picked: tuple[int, int]) -> bool:
+    """Whether (launches, copies) ``plan`` is one launch, copies no more than ``picked`` and
+    issues less in all."""
+    return plan[0] == 1 and plan[1] <= picked[1] and plan != picked
+
+
 def with_machine(costs: Costs, num_sms: int) -> Costs:
     """``costs`` for a GPU with ``num_sms`` SMs (the bandwidth of the fitted one)."""
     if num_sms == costs.machine.num_sms:

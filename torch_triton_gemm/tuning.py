@@ -920,6 +920,19 @@ def pitch_hints_enabled() -> bool:
     return env.flag(_PITCH_HINTS_ENV, True)
 
 
+_EAGER_PLANS_ENV = "TORCH_TRITON_GEMM_EAGER_PLANS"
+
+
+def eager_plans_enabled() -> bool:
+    """Whether plain eager calls of tgemm::mm may launch a plan of one launch where the
+    planner's plan makes more (a K split's reduction, padded copies) and their host time
+    outweighs the GPU time they save (``plan_model.eager_plan``); CUDA-graph captures and
+    compiled calls keep the planner's plan, and a signature's first eager call runs it too
+    (see ops/launcher.py's eager_or_capture). Such calls then differ from those in the last
+    bits (another summation order), so off unless ``TORCH_TRITON_GEMM_EAGER_PLANS=1``."""
+    return env.flag(_EAGER_PLANS_ENV, False)
+
+
 def pitch_alignment(stride: Any, element_size: int) -> int:
     """The elements by which an operand stride is known to be a multiple, for the portable
     kernel's vector loads: the largest power of two dividing it, up to one 16-byte vector; 1

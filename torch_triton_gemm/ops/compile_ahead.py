@@ -47,7 +47,7 @@ from .compile_pool import (
     variant_key,
 )
 from .launcher import PreparedLaunch, prepare_launch, splitk_reduce_kernel
-from .planner import plan_mm
+from .planner import eager_mm_plan, plan_mm
 
 
 class OperandSpec:
@@ -193,13 +193,20 @@ def variants(spec: GemmSpec) -> list[Variant]:
     # traceable=True: planning here never tunes (tuning times plans on real tensors).
     plan = plan_mm(a, b, bias, out, activation, True)  # type: ignore[arg-type]
     prepared = prepare_launch(a, b, bias, out, activation, False, plan, None)  # type: ignore
+    eager = eager_mm_plan(a, b, out, prepared.plan)  # type: ignore[arg-type]
+    if eager is not None:  # what plain eager calls launch instead (mm_eager_call)
+        prepared = prepare_launch(a, b, bias, out, activation, False, eager,  # type: ignore
+                                  None)._replace(capture=prepared)
     return prepared_variants(prepared, a, b, bias, out)
 
 
 def prepared_variants(prepared: PreparedLaunch, a: Any, b: Any, bias: Any, out: Any
                       ) -> list[Variant]:
     """The kernel launches of a prepared launch, with its arguments as ``run_launch`` passes
-    them (operands or their stand-ins; padded copies, workspace and flags as stand-ins)."""
+    them (operands or their stand-ins; padded copies, workspace and flags as stand-ins), and
+    those of its ``capture`` launch."""
+    found = ([] if prepared.capture is None
+             else prepared_variants(prepared.capture, a, b, bias, out))
     device = _device_index(a.device)
     if prepared.pads is not None:
         a, b = (t if pad is None else OperandSpec.row_major(1, 1, t.dtype, t.device)
@@ -209,9 +216,10 @@ def prepared_variants(prepared: PreparedLaunch, a: Any, b: Any, bias: Any, out: 
         workspace = OperandSpec.row_major(1, 1, torch.float32, a.device)
     if prepared.locks_shape is not None or prepared.counters_shape is not None:
         locks = OperandSpec.row_major(1, 1, torch.int32, a.device)
-    found = [Variant(prepared.kernel, grid,
-                     (a, b, out, bias, workspace, locks, None, None, *runtime_args), meta, device)
-             for grid, meta, runtime_args in prepared.launches]
+    found += [Variant(prepared.kernel, grid,
+                      (a, b, out, bias, workspace, locks, None, None, *runtime_args), meta,
+                      device)
+              for grid, meta, runtime_args in prepared.launches]
     if prepared.reduce is not None:
         grid, runtime_args, meta = prepared.reduce
         found.append(Variant(splitk_reduce_kernel, grid, (workspace, out, bias, *runtime_args),

@@ -72,6 +72,10 @@ class PreparedLaunch(NamedTuple):
     # _launch_compiled), then run_kept's direct launches; for prepared launches that are kept
     # and reused (memoised eager calls), else empty.
     compiled: tuple[dict[Any, Any], ...] = ()
+    # Of a kept eager call whose plain eager calls launch fewer kernels than the planner's plan
+    # (planner.eager_mm_plan): the planner's, kept, which CUDA-graph captures launch instead
+    # (see eager_or_capture).
+    capture: Any = None
 
 
 def num_sms(device: torch.device) -> int:
@@ -503,6 +507,18 @@ _EAGER_LAUNCHES_LIMIT = 4096
 def kept(prepared: PreparedLaunch) -> PreparedLaunch:
     """``prepared`` with caches for the kernels it launches, to be kept and reused."""
     return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 2)))
+
+
+def eager_or_capture(prepared: PreparedLaunch) -> PreparedLaunch:
+    """The launch a kept eager call runs: ``prepared``, or its ``capture`` launch in a CUDA
+    graph capture, where the host's time is paid once, and until that launch has run once in
+    the process (so that its kernels are loaded before a capture needs them: a capturing
+    stream cannot load one)."""
+    capture = prepared.capture
+    if capture is None or (capture.compiled[-1] and not (_capturing is not None
+                                                         and _capturing())):
+        return prepared
+    return capture
 
 
 def memoised_eager_call(signature: tuple[Any, ...],

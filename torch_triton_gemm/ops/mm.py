@@ -42,6 +42,7 @@ from .checks import (
 )
 from .launcher import (
     PreparedLaunch,
+    eager_or_capture,
     kept,
     memoised_eager_call,
     needs_grad,
@@ -51,7 +52,7 @@ from .launcher import (
     run_launch,
     tensor_key,
 )
-from .planner import plan_mm
+from .planner import eager_mm_plan, plan_mm
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn,
                 torch.float8_e5m2)
@@ -149,6 +150,7 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, bias, activation,
                                         out_dtype)
     if prepared is not None:
+        prepared = eager_or_capture(prepared)
         # A call the override routes with while_compiling="pytorch" goes back to it while its
         # kernels compile (compile_ahead.py).
         if compile_ahead.pytorch_until_built_on() and not compile_ahead.built(
@@ -166,9 +168,14 @@ def _first_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     prepared = _prepare_launch(a, b, bias, out, activation, False)
     if prepared is None:
         return out, None
+    eager = eager_mm_plan(a, b, out, prepared.plan)
+    if eager is not None:
+        # Plain eager calls launch fewer kernels; CUDA-graph captures keep the planner's plan.
+        prepared = kept(prepare_launch(a, b, bias, out, activation, False, eager, None)
+                        )._replace(capture=kept(prepared))
     if compile_ahead.background_enabled(a.device):
         compile_ahead.first_call(a, b, bias, activation, out, prepared)
-    return out, kept(prepared)
+    return out, prepared if eager is not None else kept(prepared)
 
 
 # --- registration -------------------------------------------------------------------------------

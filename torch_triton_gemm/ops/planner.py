@@ -65,6 +65,29 @@ def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
     return _model_view(a, b, tma_args, pads)
 
 
+def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                  plan: tuning.MMPlan) -> tuning.MMPlan | None:
+    """The plan that plain eager calls of a 16-bit product take instead of ``plan`` (the plan
+    model's, which CUDA-graph captures of them keep), or None where eager calls take ``plan``
+    too: one of a single launch where ``plan``'s extra launches (a K split's reduction, padded
+    copies) cost the host more than they save the GPU (``plan_model.eager_plan``). Only with
+    ``TORCH_TRITON_GEMM_EAGER_PLANS=1`` (``tuning.eager_plans_enabled``); None for forced,
+    tuned and transposed plans and off CUDA."""
+    (M, K), N = a.shape, b.shape[1]
+    if (plan.swap_ab or tuning.forced_plan() is not None or a.device.type != "cuda"
+            or not tuning.eager_plans_enabled()
+            or a.element_size() != 2 or not (type(M) is int and type(N) is int
+                                             and type(K) is int)):
+        return None
+    tma_args, pads, _ = kernel_operands(a, b, out)
+    view = _model_view(a, b, tma_args, pads)
+    if plan != _modelled(M, N, K, out.element_size(), a.device, view):
+        return None
+    return plan_model.eager_plan(plan, M, N, K, 2, out.element_size(),
+                                 _device.supports_tma(a.device), _device.num_sms(a.device),
+                                 *view, copies=sum(pad is not None for pad in pads))
+
+
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
               view: tuple[bool, bool, bool, int]) -> tuning.MMPlan | None:
     # The plan model weighs copying operands TMA cannot describe as they are.
