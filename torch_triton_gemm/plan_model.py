@@ -400,9 +400,10 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
     operands TMA cannot read as they are (0 where ``aligned``). Where ``picked`` makes more
     than one launch (a K split and its reduction) or copies operands: the plan of the space
-    that makes one launch and no more copies with the least ``eager_us``, if that is at most
-    EAGER_MARGIN of ``picked``'s (the host's time of ``picked``'s extra launches then outweighs
-    the GPU time they save). Such a plan sums in another order: other bits than ``picked``.
+    that makes one launch of the portable kernel with the least ``eager_us``, if that is at
+    most EAGER_MARGIN of ``picked``'s (the host's time of ``picked``'s extra launches then
+    outweighs the GPU time they save). Such a plan sums in another order: other bits than
+    ``picked``.
 
     On an H100, on the 69 products of a seed-2110 sweep (bf16 and fp16) whose eager plan this
     changed, both plans in one process, alternating: eager calls 1.38x faster in geomean,
@@ -411,7 +412,12 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     1985 x 803 x 1128 with a column-major A in both dtypes (one TMA launch on a copy of A,
     moved to a tail split in three launches: 39 -> 80 us in bf16), which is why only plans of
     one launch qualify (chosen after that run), then 0.84-0.89x on four small products whose
-    other dtype ran 1.14-1.33x faster (the host's noise). The alternative that keeps the bits,
+    other dtype ran 1.14-1.33x faster (the host's noise). Held out on seed 2111 on an H200
+    (docs/data/eager-plans-held-out-h200-seed2111.csv, 43 products): 1.53x faster where the
+    eager plan was portable (20, none slower), 0.82x where it was a TMA one (23; 0.5x at
+    worst: eager TMA launches of small products took that host 40-70 us, the portable
+    kernel's 16-30), hence portable plans only (chosen after that run; on the H100 run, 1.40x
+    and 1.35x). The alternative that keeps the bits,
     ``picked`` with splits that finish their tiles themselves (no reduction launch), gained
     1.02x on seed 2111's 87 such products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv):
     the fix-ups' kernel time ate the host's saving."""
@@ -423,7 +429,7 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
-             if not p.stream_k and not p.split_fixup]
+             if p.kernel == "portable" and not p.split_fixup]
     plans = [p for p in plans if _fewer_launches(
         eager_launches(p, m, n, k, num_sms, copies), (launches, copied))]
     if not plans:
