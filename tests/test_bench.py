@@ -1804,3 +1804,32 @@ def test_plan_sweep_workers_settle_what_the_timing_captures(monkeypatch):
     case = suites.Case("t", "t", 8, 40, 32)
     assert plans._compile_jobs([(case, "fp16", [good, bad, good])]) == 1
     assert launched == [good, bad, good] and len(settled) == 3
+
+
+def test_eager_plans_switch_forgets_memoised_calls_and_needs_a_gpu(monkeypatch, capsys):
+    """bench.eager_plans: the switch holds inside its context (the memoised eager calls
+    forgotten on the way in and out) and the setting before comes back; the command line
+    refuses bad dtypes, and a host without a CUDA GPU."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import eager_plans
+    from torch_triton_gemm.ops import launcher
+
+    monkeypatch.delenv(tuning.EAGER_PLANS_ENV, raising=False)
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {("seen",): None})
+    with eager_plans.eager_plans(True):
+        assert tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
+        launcher._EAGER_LAUNCHES[("seen",)] = None
+    assert not tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
+    assert tuning.EAGER_PLANS_ENV not in os.environ
+    monkeypatch.setenv(tuning.EAGER_PLANS_ENV, "1")
+    with eager_plans.eager_plans(False):
+        assert not tuning.eager_plans_enabled()
+    assert os.environ[tuning.EAGER_PLANS_ENV] == "1"
+    with pytest.raises(SystemExit) as exit_info:
+        eager_plans.main(["--dtypes", "fp8", "--csv", "x.csv"])
+    assert exit_info.value.code == 2 and "--dtypes" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        eager_plans.main(["--count", "4", "--csv", "x.csv"])
+    assert exit_info.value.code == 2 and "CUDA GPU" in capsys.readouterr().err
+

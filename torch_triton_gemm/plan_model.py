@@ -417,10 +417,10 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     eager plan was portable (20, none slower), 0.82x where it was a TMA one (23; 0.5x at
     worst: eager TMA launches of small products took that host 40-70 us, the portable
     kernel's 16-30), hence portable plans only (chosen after that run; on the H100 run, 1.40x
-    and 1.35x). The alternative that keeps the bits,
-    ``picked`` with splits that finish their tiles themselves (no reduction launch), gained
-    1.02x on seed 2111's 87 such products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv):
-    the fix-ups' kernel time ate the host's saving."""
+    and 1.35x). The alternative that keeps the bits, ``picked`` with splits that finish
+    their tiles themselves (no reduction launch), gained 1.02x on seed 2111's 87 such
+    products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): the fix-ups' kernel time ate
+    the host's saving."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
     costs = with_machine(H100_COSTS, num_sms)
     launches, copied = eager_launches(picked, m, n, k, num_sms, copies)
@@ -429,21 +429,14 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
-             if p.kernel == "portable" and not p.split_fixup]
-    plans = [p for p in plans if _fewer_launches(
-        eager_launches(p, m, n, k, num_sms, copies), (launches, copied))]
+             if p.kernel == "portable" and not p.split_fixup
+             and eager_launches(p, m, n, k, num_sms)[0] == 1]
     if not plans:
         return None
     best = min(plans, key=lambda p: eager_us(costs, host, p, *args))
     if eager_us(costs, host, best, *args) > EAGER_MARGIN * eager_us(costs, host, picked, *args):
         return None
     return best
-
-
-def _fewer_launches(plan: tuple[int, int], picked: tuple[int, int]) -> bool:
-    """Whether (launches, copies) ``plan`` is one launch, copies no more than ``picked`` and
-    issues less in all."""
-    return plan[0] == 1 and plan[1] <= picked[1] and plan != picked
 
 
 def with_machine(costs: Costs, num_sms: int) -> Costs:

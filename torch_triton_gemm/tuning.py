@@ -920,7 +920,7 @@ def pitch_hints_enabled() -> bool:
     return env.flag(_PITCH_HINTS_ENV, True)
 
 
-_EAGER_PLANS_ENV = "TORCH_TRITON_GEMM_EAGER_PLANS"
+EAGER_PLANS_ENV = "TORCH_TRITON_GEMM_EAGER_PLANS"
 
 
 def eager_plans_enabled() -> bool:
@@ -930,7 +930,7 @@ def eager_plans_enabled() -> bool:
     compiled calls keep the planner's plan, and a signature's first eager call runs it too
     (see ops/launcher.py's eager_or_capture). Such calls then differ from those in the last
     bits (another summation order), so off unless ``TORCH_TRITON_GEMM_EAGER_PLANS=1``."""
-    return env.flag(_EAGER_PLANS_ENV, False)
+    return env.flag(EAGER_PLANS_ENV, False)
 
 
 def pitch_alignment(stride: Any, element_size: int) -> int:

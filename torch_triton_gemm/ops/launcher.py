@@ -557,6 +557,12 @@ def memoised_launch(signature: tuple[Any, ...], prepare: Callable[..., Any], *ar
     return prepared
 
 
+def forget_eager_calls() -> None:
+    """Forget every memoised eager call: their next calls are first calls again (a benchmark
+    switching a setting that signatures do not key on, such as TORCH_TRITON_GEMM_EAGER_PLANS)."""
+    _EAGER_LAUNCHES.clear()
+
+
 def _remember(signature: tuple[Any, ...], entry: EagerEntry) -> None:
     # A bounded memo: a process that meets ever new signatures starts it again.
     if len(_EAGER_LAUNCHES) >= _EAGER_LAUNCHES_LIMIT:
