@@ -33,7 +33,7 @@ from ..ops import launcher
 from ..ops.planner import eager_mm_plan, plan_mm
 from . import suites
 from .gemm import DTYPES, make_operands
-from .picks import plan_name
+from .picks import parsed_cases, plan_name
 from .suites import Case
 from .timing import TimingSettings, compare, settle
 
@@ -138,15 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=float("inf"), metavar="S",
                         help="stop timing S seconds after the start (rows so far are kept)")
     args = parser.parse_args(argv)
-    dtypes = args.dtypes.split(",")
-    bad = [d for d in dtypes if d not in ("bf16", "fp16")]
-    if bad:
-        parser.error(f"--dtypes: bf16 or fp16, not {', '.join(bad)}")
-    try:
-        cases = [case for name in args.suites.split(",")
-                 for case in suites.plan_sweep_cases(name, args.seed, args.count)]
-    except ValueError as error:
-        parser.error(f"--suites: {error}")
+    cases, dtypes = parsed_cases(parser, args)
     if not torch.cuda.is_available():
         parser.error("eager plans run on a CUDA GPU")
     start = time.perf_counter()

@@ -105,6 +105,23 @@ def changed(rows: Sequence[dict[str, object]], before: Sequence[dict[str, str]]
     return out
 
 
+def parsed_cases(parser: argparse.ArgumentParser, args: argparse.Namespace
+                 ) -> tuple[list[Case], list[str]]:
+    """The cases of ``--suites`` (seeded by ``--seed`` and ``--count``) and the ``--dtypes`` of
+    a command line over 16-bit products (this one, bench.eager_plans); a bad value ends it
+    with the parser's error."""
+    dtypes = args.dtypes.split(",")
+    bad = [d for d in dtypes if d not in ("bf16", "fp16")]
+    if bad:
+        parser.error(f"--dtypes: bf16 or fp16, not {', '.join(bad)}")
+    try:
+        cases = [case for name in args.suites.split(",")
+                 for case in suites.plan_sweep_cases(name, args.seed, args.count)]
+    except ValueError as error:
+        parser.error(f"--suites: {error}")
+    return cases, dtypes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.picks",
                                      description=__doc__.splitlines()[0])
@@ -122,15 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "constants' whole charge (plan_model.partial_round off), as "
                              "bench.plans --whole-rounds times it")
     args = parser.parse_args(argv)
-    dtypes = args.dtypes.split(",")
-    bad = [d for d in dtypes if d not in ("bf16", "fp16")]
-    if bad:
-        parser.error(f"--dtypes: bf16 or fp16, not {', '.join(bad)}")
-    try:
-        cases = [case for name in args.suites.split(",")
-                 for case in suites.plan_sweep_cases(name, args.seed, args.count)]
-    except ValueError as error:
-        parser.error(f"--suites: {error}")
+    cases, dtypes = parsed_cases(parser, args)
     rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
     with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds):
         rows = picks(cases, dtypes)
