@@ -925,8 +925,8 @@ EAGER_PLANS_ENV = "TORCH_TRITON_GEMM_EAGER_PLANS"
 
 def eager_plans_enabled() -> bool:
     """Whether plain eager calls of tgemm::mm may launch one portable kernel where the
-    planner's plan makes more launches (a K split's reduction, padded copies) and their host time
-    outweighs the GPU time they save (``plan_model.eager_plan``); CUDA-graph captures and
+    planner's plan makes more launches (a K split's reduction, padded copies) and their host
+    time outweighs the GPU time they save (``plan_model.eager_plan``); CUDA-graph captures and
     compiled calls keep the planner's plan, and a signature's first eager call runs it too
     (see ops/launcher.py's eager_or_capture). Such calls then differ from those in the last
     bits (another summation order), so off unless ``TORCH_TRITON_GEMM_EAGER_PLANS=1``."""

@@ -150,7 +150,8 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, bias, activation,
                                         out_dtype)
     if prepared is not None:
-        prepared = eager_or_capture(prepared)
+        if prepared.capture is not None:  # (eager plans: TORCH_TRITON_GEMM_EAGER_PLANS=1)
+            prepared = eager_or_capture(prepared)
         # A call the override routes with while_compiling="pytorch" goes back to it while its
         # kernels compile (compile_ahead.py).
         if compile_ahead.pytorch_until_built_on() and not compile_ahead.built(
@@ -168,14 +169,15 @@ def _first_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     prepared = _prepare_launch(a, b, bias, out, activation, False)
     if prepared is None:
         return out, None
+    prepared = kept(prepared)
     eager = eager_mm_plan(a, b, out, prepared.plan)
     if eager is not None:
         # Plain eager calls launch fewer kernels; CUDA-graph captures keep the planner's plan.
         prepared = kept(prepare_launch(a, b, bias, out, activation, False, eager, None)
-                        )._replace(capture=kept(prepared))
+                        )._replace(capture=prepared)
     if compile_ahead.background_enabled(a.device):
         compile_ahead.first_call(a, b, bias, activation, out, prepared)
-    return out, prepared if eager is not None else kept(prepared)
+    return out, prepared
 
 
 # --- registration -------------------------------------------------------------------------------

@@ -71,9 +71,9 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     model's, which CUDA-graph captures of them keep), or None where eager calls take ``plan``
     too: one launch of the portable kernel where ``plan``'s extra launches (a K split's
     reduction, padded copies) cost the host more than they save the GPU
-    (``plan_model.eager_plan``). Only with
-    ``TORCH_TRITON_GEMM_EAGER_PLANS=1`` (``tuning.eager_plans_enabled``); None for forced,
-    tuned and transposed plans and off CUDA."""
+    (``plan_model.eager_plan``). Only with ``TORCH_TRITON_GEMM_EAGER_PLANS=1``
+    (``tuning.eager_plans_enabled``); None for forced, tuned and transposed plans and off
+    CUDA."""
     (M, K), N = a.shape, b.shape[1]
     if (plan.swap_ab or tuning.forced_plan() is not None or a.device.type != "cuda"
             or not tuning.eager_plans_enabled()
