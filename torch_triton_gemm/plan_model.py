@@ -8,7 +8,8 @@ is tested on any host. What it models, for a plan's persistent or one-shot progr
   even share of the shared tiles' K steps plus the partials it adds; a split's units), each step
   costing its tile's measured step time, each tile its epilogue;
 - bytes: the operands and the output cross device memory at least once, at the bandwidth of the
-  programs that are busy (a few programs cannot draw the whole memory system's bandwidth);
+  programs that are busy (a few programs cannot draw the whole memory system's bandwidth), and
+  every tile's operand rows and columns cross from L2 to its SM (``l2_us``);
 - fixed costs: a launch, a split's reduction launch and partials, the copies that make operands
   TMA can describe.
 
@@ -209,6 +210,51 @@ def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) 
     return rounds if rounds > fit else 1 + (rounds - 1) * CO_RESIDENT_ROUND
 
 
+# What the L2 cache serves the SMs, bytes per microsecond, and how sharply that limit takes
+# over from the rest of a plan's time where they come close (see l2_us; 0: no limit); the
+# cache's size (an H100's and an H200's: 50 MiB).
+L2_BYTES_PER_US = 1.3e7
+L2_LIMIT_POWER = 8.0
+L2_CACHE_BYTES = 50 * 2**20
+
+
+def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int) -> float:
+    """The time the SMs take to read ``plan``'s operand tiles from L2, where an operand is
+    larger than the L2 cache (0 elsewhere): every output tile reads its BLOCK_M rows of A and
+    BLOCK_N columns of B over the whole of K (split or not), so a tile narrower than the
+    product re-reads the other operand, once per tile of it, where device memory gives each
+    byte once (``predict_us``'s bytes). ``predict_us`` adds it as a smooth maximum (the
+    L2_LIMIT_POWER-norm) with the rest of the time.
+
+    The constants (time, bytes, bandwidth) charged every plan of a wide weight about the same
+    time, bound by its bytes, and the pick then fell to the cheapest compute, which on such
+    products are tiles of 64 rows or columns that read the weight two to four times from L2.
+    On an H100, 128 x 28672 x 4096 (Llama-3-8B's gate and up projections at 128 tokens) took
+    110.6 us on 64x64 tiles against 92.0 on 64x128 and 90.4 on 128x128
+    (docs/data/plans-h100-seed1-extra-tiles.csv, overlap-tiles-h100.csv): 940 against 705 and
+    470 MB read from L2, about 8.5 TB/s for the first.
+
+    Chosen on every plan of the H100 sweeps the constants were fitted on (plans-h100-seed1*.csv,
+    mid-rows-h100-seed2070-every-plan.csv, overlap-tiles-h100.csv): 13 TB/s and power 8 moved
+    14 picks there, 1.15x faster in geomean (2 slower, 0.85x at worst; 10 TB/s and power 4:
+    42 picks, 1.10x, 9 slower). Held out on an H200, every plan timed on 49 mid-row products of
+    seed 2113 whose pick a limit of 10-13 TB/s moves (docs/data/l2-plans-h200-seed2113.csv,
+    the cases in l2-cases-seed2113.csv): the 18 picks it moved ran 1.145x faster, 3 slower
+    (0.81x at worst: 153 x 50608 x 11776 onto 256-row TMA tiles), and the picks of all 49
+    against cuBLAS went 1.011 -> 1.062 in geomean. The bound on the operands' size came after
+    that run: without it the limit also moved 256 x 6144 x 4096 (Llama-3-8B's qkv at 256
+    tokens, whose 50.3 MB weight the cache holds) off the co-resident 64x128 tiles that ran
+    it fastest of every plan timed (30.3 us on an H100, overlap-tiles-h100.csv) onto an
+    untimed TMA plan. With it: 10 moves on the fitting sweeps, 1.23x faster, none slower;
+    none on the other H100 sweeps (seeds 6-14, 2080); 17 on the H200's, 1.15x, the same 3
+    slower. Of the benchmark's named suites it moves only that gate and up projection."""
+    if not L2_BYTES_PER_US or max(m * k, k * n) * element_size <= L2_CACHE_BYTES:
+        return 0.0
+    tile = plan.tile
+    tiles_m, tiles_n = -(-m // tile.block_m), -(-n // tile.block_n)
+    return tiles_m * tiles_n * (tile.block_m + tile.block_n) * k * element_size / L2_BYTES_PER_US
+
+
 # What a launch of one round costs, as a fraction of the fitted launch constant, on the kernels
 # where the fit over-charges it (single_round): TMA programs that each finish one tile.
 SINGLE_ROUND_LAUNCH = {"tma": 0.8}
@@ -306,7 +352,8 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     if plan.kernel == "tma" and not aligned:
         # Copying the operands: read and write each once, in a kernel of its own.
         time += costs.launch_us["copy"] + 2 * operand_bytes / machine.bytes_per_us
-    return time
+    l2 = l2_us(plan, m, n, k, element_size)
+    return (time ** L2_LIMIT_POWER + l2 ** L2_LIMIT_POWER) ** (1 / L2_LIMIT_POWER)
 
 
 def best_plan(costs: Costs, plans: Iterable[tuning.MMPlan], m: int, n: int, k: int,
@@ -417,8 +464,10 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     eager plan was portable (20, none slower), 0.82x where it was a TMA one (23; 0.5x at
     worst: eager TMA launches of small products took that host 40-70 us, the portable
     kernel's 16-30), hence portable plans only (chosen after that run; on the H100 run, 1.40x
-    and 1.35x). The alternative that keeps the bits, ``picked`` with splits that finish
-    their tiles themselves (no reduction launch), gained 1.02x on seed 2111's 87 such
+    and 1.35x); held out on seed 2112 on an H200, 68 products, 1.48x, none slower
+    (docs/data/eager-plans-held-out-h200-seed2112.csv). The alternative that keeps the bits,
+    ``picked`` with splits that finish their tiles themselves (no reduction launch), gained
+    1.02x on seed 2111's 87 such
     products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): the fix-ups' kernel time ate
     the host's saving."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
