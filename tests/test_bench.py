@@ -1515,6 +1515,27 @@ def test_plan_picks_tell_cases_of_one_name_apart_and_the_partial_round_rule_off(
     assert plans.listed_cases(moved) == {("qkv", 512, 6144, 4096, "bf16")}
 
 
+def test_plan_picks_with_the_l2_limit_off(tmp_path):
+    """--no-l2-limit plans as if tiles' reads from L2 cost nothing (the other arm of the L2
+    limit's A/B), in that call only: against it, the limit moves Llama's gate and up
+    projections at 128 tokens alone, off 64x64 tiles."""
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks, plans
+
+    off, moved = str(tmp_path / "off.csv"), str(tmp_path / "moved.csv")
+    limit = plan_model.L2_BYTES_PER_US
+    argv = ["--suites", "llama", "--dtypes", "bf16"]
+    assert picks.main([*argv, "--no-l2-limit", "--csv", off]) == 0
+    assert plan_model.L2_BYTES_PER_US == limit > 0
+    assert picks.main([*argv, "--csv", moved, "--against", off]) == 0
+    with open(moved, newline="") as file:
+        changes = list(csv.DictReader(file))
+    assert [(r["name"], r["M"]) for r in changes] == [("gate_up", "128")]
+    assert changes[0]["plan_before"].startswith("portable:64x64x")
+    assert not changes[0]["plan"].startswith("portable:64x64x")
+    assert plans.listed_cases(moved) == {("gate_up", 128, 28672, 4096, "bf16")}
+
+
 def test_plan_sweep_wide_space_adds_plans_the_planners_rules_leave_out(monkeypatch):
     from torch_triton_gemm import device as tgemm_device
     from torch_triton_gemm.bench import plans

@@ -138,10 +138,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan as if one round of programs on part of the SMs cost the "
                              "constants' whole charge (plan_model.partial_round off), as "
                              "bench.plans --whole-rounds times it")
+    parser.add_argument("--no-l2-limit", action="store_true",
+                        help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
+                             "off), as bench.plans --no-l2-limit times it")
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
     rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
-    with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds):
+    l2 = 0 if args.no_l2_limit else plan_model.L2_BYTES_PER_US
+    with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds), \
+            mock.patch.object(plan_model, "L2_BYTES_PER_US", l2):
         rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:

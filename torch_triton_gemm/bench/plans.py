@@ -467,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--untransposed", action="store_true",
                         help="plan as if the transposed rule (tuning.swap_plan) were off: with "
                              "--chosen-only, the other arm of its A/B")
+    parser.add_argument("--no-l2-limit", action="store_true",
+                        help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
+                             "off): with --chosen-only, the other arm of its A/B")
     parser.add_argument("--fixup-ab", action="store_true",
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
@@ -481,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tuning.SWAP_MAX_ROWS = 0
     if args.whole_rounds:
         plan_model.PARTIAL_ROUND = plan_model.WHOLE_ROUNDS
+    if args.no_l2_limit:
+        plan_model.L2_BYTES_PER_US = 0
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
