@@ -201,6 +201,9 @@ def fit(rows: Sequence[Timed], num_sms: int,
     fixup_bytes = np.array([w.fixup_bytes for w in works])
     partial = np.array([plan_model.partial_round(r.plan, w, num_sms)  # (not fitted)
                         for r, w in zip(rows, works)])
+    l2 = np.array([plan_model.l2_us(r.plan, r.m, r.n, r.k, r.element_size)  # (not fitted)
+                   for r in rows])
+    power = plan_model.L2_LIMIT_POWER
     fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
     n_globals = len(GLOBALS)
@@ -229,7 +232,8 @@ def fit(rows: Sequence[Timed], num_sms: int,
         bandwidth = np.minimum(g[3], busy * g[4])
         time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
         time += fixup * g[5] + fixup_bytes / 1024 * g[6]
-        return time + copied * (g[1] + 2 * operand / g[3])
+        time += copied * (g[1] + 2 * operand / g[3])
+        return (time ** power + l2 ** power) ** (1 / power)
 
     start = [] if fixed is not None else [
         math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
