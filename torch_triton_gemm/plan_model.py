@@ -353,6 +353,8 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
         # Copying the operands: read and write each once, in a kernel of its own.
         time += costs.launch_us["copy"] + 2 * operand_bytes / machine.bytes_per_us
     l2 = l2_us(plan, m, n, k, element_size)
+    if not l2:
+        return time  # (exactly: equal predictions keep their order)
     return (time ** L2_LIMIT_POWER + l2 ** L2_LIMIT_POWER) ** (1 / L2_LIMIT_POWER)
 
 

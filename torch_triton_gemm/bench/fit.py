@@ -233,7 +233,7 @@ def fit(rows: Sequence[Timed], num_sms: int,
         time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
         time += fixup * g[5] + fixup_bytes / 1024 * g[6]
         time += copied * (g[1] + 2 * operand / g[3])
-        return (time ** power + l2 ** power) ** (1 / power)
+        return np.where(l2 > 0, (time ** power + l2 ** power) ** (1 / power), time)
 
     start = [] if fixed is not None else [
         math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
