@@ -9,6 +9,7 @@ import os
 import statistics
 
 import pytest
+import torch
 
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import plan_model, tuning
@@ -563,14 +564,14 @@ def test_tiles_narrower_than_the_product_read_the_other_operand_again_from_l2(h1
     costs = plan_model.H100_COSTS
     small = tuning.MMPlan("portable", tuning.TileConfig(64, 64, 128, 4, 4, 4))
     large = tuning.MMPlan("tma", tuning.TileConfig(128, 128, 64, 8, 8, 4))
-    args = (128, 28672, 4096, 2)
+    args = (128, 28672, 4096, 2, costs.machine.l2_bytes)
     # (64 + 64) x 2 x 448 tiles against (128 + 128) x 224: twice the bytes.
     assert plan_model.l2_us(small, *args) == pytest.approx(2 * plan_model.l2_us(large, *args))
     assert plan_model.l2_us(small, *args) == pytest.approx(
         896 * 128 * 4096 * 2 / plan_model.L2_BYTES_PER_US)
-    with_l2 = [plan_model.predict_us(costs, p, *args, 2) for p in (small, large)]
+    with_l2 = [plan_model.predict_us(costs, p, *args[:4], 2) for p in (small, large)]
     monkeypatch.setattr(plan_model, "L2_BYTES_PER_US", 0)
-    without = [plan_model.predict_us(costs, p, *args, 2) for p in (small, large)]
+    without = [plan_model.predict_us(costs, p, *args[:4], 2) for p in (small, large)]
     assert plan_model.l2_us(small, *args) == 0
     assert all(w >= o for w, o in zip(with_l2, without))
     # Without the limit the bytes bound both alike; with it the 64x64 tiles cost more.
@@ -580,9 +581,16 @@ def test_tiles_narrower_than_the_product_read_the_other_operand_again_from_l2(h1
 def test_wide_weights_at_mid_rows_leave_64x64_tiles(h100, monkeypatch):
     """Llama-3-8B's gate and up projections at 128 tokens: 64x64 tiles took 110.6 us on an
     H100 where 64x128 ones took 92.0 (docs/data/plans-h100-seed1-extra-tiles.csv); the pick
-    without the L2 limit is the former."""
+    without the L2 limit is the former, and so is the pick on a GPU whose L2 cache holds the
+    235 MB weight."""
+    assert tgemm_device.l2_cache_bytes(torch.device("cpu")) == 50 * 2**20
     plan = plan_model.modelled_plan(128, 28672, 4096, 2, 2, True, 132, True, False)
     assert plan.tile.block_m * plan.tile.block_n >= 64 * 128 and plan.split_k == 1
+    assert plan == plan_model.modelled_plan(128, 28672, 4096, 2, 2, True, 132, True, False,
+                                            l2_bytes=50 * 2**20)
+    large_cache = plan_model.modelled_plan(128, 28672, 4096, 2, 2, True, 132, True, False,
+                                           l2_bytes=256 * 2**20)
+    assert (large_cache.tile.block_m, large_cache.tile.block_n) == (64, 64)
     monkeypatch.setattr(plan_model, "L2_BYTES_PER_US", 0)
     plan = plan_model.modelled_plan(128, 28672, 4096, 2, 2, True, 132, True, False)
     assert (plan.tile.block_m, plan.tile.block_n) == (64, 64)

@@ -99,6 +99,18 @@ def dram_gbps(device: torch.device) -> float:
     return _dram_gbps(_index(device))
 
 
+# L2 cache assumed when no GPU can be asked: an H100's (and an H200's).
+_PORTABLE_L2_BYTES = 50 * 2**20
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache in bytes (50 MiB on an H100 or H200), the H100's where no GPU can be
+    asked or the driver does not say."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _PORTABLE_L2_BYTES
+    return int(getattr(_properties(_index(device)), "L2_cache_size", 0) or _PORTABLE_L2_BYTES)
+
+
 # Shared memory assumed when no GPU can be asked (tracing CUDA FakeTensors on a CPU-only host):
 # the smallest opt-in limit among sm_80+ GPUs (sm_86/sm_89), so traced configs launch anywhere.
 _PORTABLE_SHARED_MEMORY = 101376

@@ -37,6 +37,8 @@ class Machine:
     # Device memory bandwidth, bytes per microsecond, and the most one busy SM draws.
     bytes_per_us: float
     sm_bytes_per_us: float
+    # The L2 cache (l2_us); the fitted H100's unless the GPU says otherwise (with_machine).
+    l2_bytes: int = 50 * 2**20
 
 
 @dataclass(frozen=True)
@@ -211,16 +213,16 @@ def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) 
 
 
 # What the L2 cache serves the SMs, bytes per microsecond, and how sharply that limit takes
-# over from the rest of a plan's time where they come close (see l2_us; 0: no limit); the
-# cache's size (an H100's and an H200's: 50 MiB).
+# over from the rest of a plan's time where they come close (see l2_us; 0: no limit).
 L2_BYTES_PER_US = 1.3e7
 L2_LIMIT_POWER = 8.0
-L2_CACHE_BYTES = 50 * 2**20
 
 
-def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int) -> float:
+def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
+          cache_bytes: int) -> float:
     """The time the SMs take to read ``plan``'s operand tiles from L2, where an operand is
-    larger than the L2 cache (0 elsewhere): every output tile reads its BLOCK_M rows of A and
+    larger than the L2 cache of ``cache_bytes`` (``Machine.l2_bytes``; 0 elsewhere): every
+    output tile reads its BLOCK_M rows of A and
     BLOCK_N columns of B over the whole of K (split or not), so a tile narrower than the
     product re-reads the other operand, once per tile of it, where device memory gives each
     byte once (``predict_us``'s bytes). ``predict_us`` adds it as a smooth maximum (the
@@ -248,7 +250,7 @@ def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int) -> flo
     untimed TMA plan. With it: 10 moves on the fitting sweeps, 1.23x faster, none slower;
     none on the other H100 sweeps (seeds 6-14, 2080); 17 on the H200's, 1.15x, the same 3
     slower. Of the benchmark's named suites it moves only that gate and up projection."""
-    if not L2_BYTES_PER_US or max(m * k, k * n) * element_size <= L2_CACHE_BYTES:
+    if not L2_BYTES_PER_US or max(m * k, k * n) * element_size <= cache_bytes:
         return 0.0
     tile = plan.tile
     tiles_m, tiles_n = -(-m // tile.block_m), -(-n // tile.block_n)
@@ -352,7 +354,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     if plan.kernel == "tma" and not aligned:
         # Copying the operands: read and write each once, in a kernel of its own.
         time += costs.launch_us["copy"] + 2 * operand_bytes / machine.bytes_per_us
-    l2 = l2_us(plan, m, n, k, element_size)
+    l2 = l2_us(plan, m, n, k, element_size, machine.l2_bytes)
     if not l2:
         return time  # (exactly: equal predictions keep their order)
     return (time ** L2_LIMIT_POWER + l2 ** L2_LIMIT_POWER) ** (1 / L2_LIMIT_POWER)
@@ -444,10 +446,12 @@ def eager_us(costs: Costs, host: HostCosts, plan: tuning.MMPlan, m: int, n: int,
 def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, tma: bool, num_sms: int, aligned: bool = True,
                narrow: bool = False, a_m_contiguous: bool = False, pitch_vector: int = 0,
-               copies: int = 0, host: HostCosts = H100_HOST) -> tuning.MMPlan | None:
+               copies: int = 0, host: HostCosts = H100_HOST,
+               l2_bytes: int | None = None) -> tuning.MMPlan | None:
     """The plan that eager calls of a product launch instead of ``picked`` (``modelled_plan``'s,
     which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
-    operands TMA cannot read as they are (0 where ``aligned``). Where ``picked`` makes more
+    operands TMA cannot read as they are (0 where ``aligned``); ``l2_bytes``: as for
+    ``modelled_plan``. Where ``picked`` makes more
     than one launch (a K split and its reduction) or copies operands: the plan of the space
     that makes one launch of the portable kernel with the least ``eager_us``, if that is at
     most EAGER_MARGIN of ``picked``'s (the host's time of ``picked``'s extra launches then
@@ -473,7 +477,7 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): the fix-ups' kernel time ate
     the host's saving."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
-    costs = with_machine(H100_COSTS, num_sms)
+    costs = with_machine(H100_COSTS, num_sms, l2_bytes)
     launches, copied = eager_launches(picked, m, n, k, num_sms, copies)
     if (launches, copied) == (1, 0):
         return None  # nothing to save: every plan launches at least once
@@ -490,29 +494,33 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     return best
 
 
-def with_machine(costs: Costs, num_sms: int) -> Costs:
-    """``costs`` for a GPU with ``num_sms`` SMs (the bandwidth of the fitted one)."""
-    if num_sms == costs.machine.num_sms:
+def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None) -> Costs:
+    """``costs`` for a GPU with ``num_sms`` SMs and an L2 cache of ``l2_bytes`` (None: the
+    fitted GPU's), with the bandwidth of the fitted one."""
+    machine = costs.machine
+    l2_bytes = machine.l2_bytes if l2_bytes is None else l2_bytes
+    if (num_sms, l2_bytes) == (machine.num_sms, machine.l2_bytes):
         return costs
-    return dataclasses.replace(costs, machine=dataclasses.replace(costs.machine,
-                                                                  num_sms=num_sms))
+    return dataclasses.replace(costs, machine=dataclasses.replace(
+        machine, num_sms=num_sms, l2_bytes=l2_bytes))
 
 
 
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
                   num_sms: int, aligned: bool, narrow: bool,
-                  a_m_contiguous: bool = False, pitch_vector: int = 0
-                  ) -> tuning.MMPlan | None:
+                  a_m_contiguous: bool = False, pitch_vector: int = 0,
+                  l2_bytes: int | None = None) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
     SMs, launches, copies), for 16-bit operands. ``tma``: the TMA kernel can read the operands,
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
     elements; ``a_m_contiguous``: A's columns are contiguous; ``pitch_vector``: the widest
-    copy the portable kernel makes along such pitches (``cost_kernel``). None where no plan of
-    the space fits the GPU's shared memory."""
+    copy the portable kernel makes along such pitches (``cost_kernel``); ``l2_bytes``: the
+    GPU's L2 cache (None: the fitted H100's). None where no plan of the space fits the GPU's
+    shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
-    costs = with_machine(H100_COSTS, num_sms)
+    costs = with_machine(H100_COSTS, num_sms, l2_bytes)
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
     # such plans).
     fixups = "fixup" in costs.launch_us

@@ -201,7 +201,8 @@ def fit(rows: Sequence[Timed], num_sms: int,
     fixup_bytes = np.array([w.fixup_bytes for w in works])
     partial = np.array([plan_model.partial_round(r.plan, w, num_sms)  # (not fitted)
                         for r, w in zip(rows, works)])
-    l2 = np.array([plan_model.l2_us(r.plan, r.m, r.n, r.k, r.element_size)  # (not fitted)
+    cache = (plan_model.H100_COSTS if fixed is None else fixed).machine.l2_bytes
+    l2 = np.array([plan_model.l2_us(r.plan, r.m, r.n, r.k, r.element_size, cache)  # (not fitted)
                    for r in rows])
     power = plan_model.L2_LIMIT_POWER
     fixup = (fixup_bytes > 0).astype(float)

@@ -40,6 +40,7 @@ from .suites import Case
 # The GPU the picks are made for: what the planner reads of it.
 H100_NUM_SMS = 132
 H100_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
+H100_L2_BYTES = 50 * 2**20
 
 FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "narrow",
           "pitch_vector", "plan")
@@ -66,7 +67,8 @@ def h100() -> Iterator[None]:
     with mock.patch.object(_device, "num_sms", lambda device: H100_NUM_SMS), \
             mock.patch.object(_device, "shared_memory_per_block",
                               lambda index: H100_SHARED_MEMORY), \
-            mock.patch.object(_device, "supports_tma", lambda device: True):
+            mock.patch.object(_device, "supports_tma", lambda device: True), \
+            mock.patch.object(_device, "l2_cache_bytes", lambda device: H100_L2_BYTES):
         yield
 
 

@@ -86,14 +86,16 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
         return None
     return plan_model.eager_plan(plan, M, N, K, 2, out.element_size(),
                                  _device.supports_tma(a.device), _device.num_sms(a.device),
-                                 *view, copies=sum(pad is not None for pad in pads))
+                                 *view, copies=sum(pad is not None for pad in pads),
+                                 l2_bytes=_device.l2_cache_bytes(a.device))
 
 
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
               view: tuple[bool, bool, bool, int]) -> tuning.MMPlan | None:
     # The plan model weighs copying operands TMA cannot describe as they are.
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
-                                    _device.num_sms(device), *view)
+                                    _device.num_sms(device), *view,
+                                    l2_bytes=_device.l2_cache_bytes(device))
 
 
 def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
