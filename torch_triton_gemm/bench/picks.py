@@ -40,7 +40,6 @@ from .suites import Case
 # The GPU the picks are made for: what the planner reads of it.
 H100_NUM_SMS = 132
 H100_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
-H100_L2_BYTES = 50 * 2**20
 
 FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "narrow",
           "pitch_vector", "plan")
@@ -68,7 +67,8 @@ def h100() -> Iterator[None]:
             mock.patch.object(_device, "shared_memory_per_block",
                               lambda index: H100_SHARED_MEMORY), \
             mock.patch.object(_device, "supports_tma", lambda device: True), \
-            mock.patch.object(_device, "l2_cache_bytes", lambda device: H100_L2_BYTES):
+            mock.patch.object(_device, "l2_cache_bytes",
+                              lambda device: plan_model.H100_COSTS.machine.l2_bytes):
         yield
 
 
