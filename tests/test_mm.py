@@ -6,6 +6,7 @@ Triton's interpreter (see conftest.py); GPU-only tests carry the ``gpu`` marker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -154,25 +155,26 @@ def test_deterministic(device):
     assert torch.equal(tg.mm(a, b), tg.mm(a, b))
 
 
-def test_eager_plans_are_off_unless_asked(monkeypatch):
+def test_eager_plans_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("TORCH_TRITON_GEMM_EAGER_PLANS", raising=False)
-    assert not tuning.eager_plans_enabled()
-    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     assert tuning.eager_plans_enabled()
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "0")
+    assert not tuning.eager_plans_enabled()
 
 
 @pytest.mark.gpu
-def test_eager_plans_run_one_launch_and_captures_the_planners(monkeypatch):
-    """With TORCH_TRITON_GEMM_EAGER_PLANS=1, a small product whose plan splits K: later eager
-    calls launch one kernel (the same bits each time), the first call and a CUDA-graph capture
-    the planner's split plan (the same bits as each other); all right to bf16 precision."""
-    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
-    a = randn((64, 1160), torch.bfloat16, "cuda")
-    b = randn((120, 1160), torch.bfloat16, "cuda").t()
-    out = torch.empty((64, 120), dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("m, n, k", [(64, 120, 1160), (1536, 1536, 1024)])
+def test_eager_plans_run_one_launch_with_the_bits_of_the_planners(m, n, k):
+    """A product whose plan splits K on the portable kernel (a 12-way split and its
+    reduction; a tail split in three launches): later eager calls launch it in one kernel,
+    the first call and a CUDA-graph capture the planner's launches; all give the same bits,
+    right to bf16 precision."""
+    a = randn((m, k), torch.bfloat16, "cuda")
+    b = randn((n, k), torch.bfloat16, "cuda").t()
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     plan = planner.plan_mm(a, b, None, out, "none", False)
     eager = planner.eager_mm_plan(a, b, out, plan)
-    assert plan.split_k > 1 and eager is not None and eager.split_k == 1
+    assert plan.split_k > 1 and eager == dataclasses.replace(plan, split_inline=True)
     first = tg.mm(a, b)
     later = [tg.mm(a, b) for _ in range(3)]
     graph = torch.cuda.CUDAGraph()
@@ -181,11 +183,10 @@ def test_eager_plans_run_one_launch_and_captures_the_planners(monkeypatch):
     captured.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(first, captured)
-    assert torch.equal(later[1], later[0]) and torch.equal(later[2], later[0])
-    ref = reference(a, b, None, "none")
-    for got in (first, later[0], captured):
-        assert rel_error(got, ref) <= tolerance(torch.bfloat16, torch.bfloat16)
+    for got in (*later, captured):
+        assert torch.equal(got, first)
+    assert rel_error(first, reference(a, b, None, "none")) <= tolerance(torch.bfloat16,
+                                                                         torch.bfloat16)
 
 
 # --- errors -------------------------------------------------------------------------------------

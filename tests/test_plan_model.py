@@ -514,45 +514,74 @@ def test_eager_time_is_the_longer_of_the_hosts_and_the_gpus():
 
 @pytest.mark.parametrize("m, n, k, copies, a_m_contiguous, moves", [
     (64, 120, 1160, 0, False, True),  # a 12-way K split's reduction: more host than GPU time
-    (1536, 1536, 1536, 0, False, True),  # a tail split: three launches
-    (512, 1304, 471, 2, False, True),  # padded copies for TMA
+    (1536, 1536, 1024, 0, False, True),  # a tail split: three launches
+    (64, 64, 768, 0, False, True),
+    (1536, 1536, 1536, 0, False, False),  # in one launch, its kernel outweighs the host
+    (512, 1304, 471, 2, False, False),  # padded copies for TMA: no portable split to inline
+    (8, 150, 13512, 0, False, False),  # a TMA split
     (4096, 4096, 4096, 0, False, False),  # one launch already
     (512, 6144, 4096, 0, False, False),
     (128, 4480, 7040, 0, False, False),  # the split saves more GPU time than it costs the host
+    (64, 149, 1163, 0, False, False),  # odd K pitches: one program would load element-wise
 ])
 def test_eager_calls_take_one_launch_where_the_host_outweighs_the_gpu(h100, m, n, k, copies,
                                                                        a_m_contiguous, moves):
-    """eager_plan: an eager call leaves the plan model's pick for one launch of the portable
-    kernel only where the pick's host time outweighs the GPU time it saves; the plan it takes
-    is of the space and costs less eager time by EAGER_MARGIN at least."""
+    """eager_plan: an eager call leaves the plan model's portable K split for the same plan
+    in one launch (split_inline: the same bits) only where the split's host time outweighs
+    the GPU time it saves, by EAGER_MARGIN at least."""
     num_sms = 132
     narrow, aligned = k % 16 != 0, copies == 0
-    view = (aligned, narrow, a_m_contiguous)
+    # a [m, k] and b = W.t() for W [n, k]: both pitches k (a transposed a: m).
+    pitches = [(m if a_m_contiguous else k, 2), (k, 2)]
+    view = (aligned, narrow, a_m_contiguous,
+            plan_model.pitch_vector([p for p in pitches if p[0] % 16]))
     picked = plan_model.modelled_plan(m, n, k, 2, 2, True, num_sms, *view)
+    if (m, n, k) == (64, 149, 1163):
+        assert picked.kernel == "portable" and picked.split_k > 1
     eager = plan_model.eager_plan(picked, m, n, k, 2, 2, True, num_sms, *view, copies=copies)
     assert (eager is not None) == moves
     if eager is None:
         return
+    assert eager == dataclasses.replace(picked, split_inline=True)
+    assert picked.kernel == "portable" and picked.split_k > 1
     costs = plan_model.with_machine(plan_model.H100_COSTS, num_sms)
     host = plan_model.H100_HOST
     args = (m, n, k, 2, 2, *view)
-    assert eager in list(tuning.plan_space(m, n, k, 2, True, num_sms, aligned))
     assert (plan_model.eager_us(costs, host, eager, *args, copies=copies)
             <= plan_model.EAGER_MARGIN * plan_model.eager_us(costs, host, picked, *args,
                                                               copies=copies))
-    assert eager.kernel == "portable"
+    assert plan_model.eager_launches(picked, m, n, k, num_sms, copies)[0] > 1
     assert plan_model.eager_launches(eager, m, n, k, num_sms, copies) == (1, 0)
-    # The GPU alone (a CUDA graph, which keeps the pick): the pick is predicted no slower.
-    assert (plan_model.predict_us(costs, picked, *args)
-            <= plan_model.predict_us(costs, eager, *args))
+    # The GPU alone (a CUDA graph, which keeps the pick): the pick is predicted no slower;
+    # the inlined split costs the unsplit plan's time and more (each split's K loop).
+    unsplit = dataclasses.replace(picked, split_k=1, split_tail=False)
+    assert plan_model.predict_us(costs, picked, *args) <= plan_model.predict_us(costs, eager,
+                                                                              *args)
+    assert plan_model.predict_us(costs, unsplit, *args) < plan_model.predict_us(costs, eager,
+                                                                               *args)
+
+
+def test_a_split_in_one_launch_works_whole_tiles_with_a_fresh_k_loop_per_split():
+    """plan_work of split_inline: the unsplit plan's K steps on one program per tile, and a
+    tile's prologue and epilogue for each of its splits; one launch, no partials."""
+    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+    split = tuning.MMPlan("portable", tile, split_k=4)
+    inline = dataclasses.replace(split, split_inline=True)
+    whole = plan_model.plan_work(dataclasses.replace(split, split_k=1), 128, 128, 1024, 132)
+    work = plan_model.plan_work(inline, 128, 128, 1024, 132)
+    assert (work.steps, work.tiles, work.reduce, work.extra_bytes) == (16, 4, False, 0.0)
+    assert work == dataclasses.replace(whole, tiles=4 * whole.tiles)
+    assert plan_model.eager_launches(inline, 128, 128, 1024, 132) == (1, 0)
+    assert plan_model.eager_launches(split, 128, 128, 1024, 132) == (2, 0)
 
 
 def test_a_faster_host_keeps_the_picks_launches(h100):
-    picked = plan_model.modelled_plan(64, 120, 1160, 2, 2, True, 132, True, True)
+    picked = plan_model.modelled_plan(64, 120, 1160, 2, 2, True, 132, True, True, False, 16)
     assert plan_model.eager_launches(picked, 64, 120, 1160, 132) == (2, 0)
-    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, True, True) is not None
+    view = (True, True, False, 16)
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, *view) is not None
     fast = plan_model.HostCosts(call_us=2.0, launch_us=0.5, copy_us=2.0)
-    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, True, True,
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, *view,
                                  host=fast) is None
 
 

@@ -20,6 +20,7 @@ from samples import FP8, make_operand, randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import plan_cache, plan_model, tuning
+from torch_triton_gemm.kernels.matmul import mm_kernel
 from torch_triton_gemm.ops import launcher, operands, planner
 from torch_triton_gemm.ops.launcher import launch_mm
 
@@ -39,6 +40,9 @@ PLANS = {
     "portable-tail-split3-fixup": tuning.MMPlan("portable", SMALL_TILE, split_k=3,
                                                 split_tail=True, split_fixup=True),
     "tma-split3-fixup": tuning.MMPlan("tma", SMALL_TILE, split_k=3, split_fixup=True),
+    # Splits in one launch, each program adding its tile's (eager calls; portable kernel).
+    "portable-tail-split3-inline": tuning.MMPlan("portable", SMALL_TILE, split_k=3,
+                                                 split_tail=True, split_inline=True),
     # 128 columns: partial tiles go out in 64-column slices.
     "tma-wide-split3": tuning.MMPlan("tma", tuning.TileConfig(16, 128, 32, 1, 4, 2), split_k=3),
     "tma-subtile": tuning.MMPlan("tma", tuning.TileConfig(32, 32, 32, 1, 4, 2),
@@ -181,6 +185,37 @@ def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, 
         assert not counters.any()
 
 
+@pytest.mark.parametrize("plan", ["portable-split3", "portable-tail-split3", "tma-split3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_splits_in_one_launch_match_the_reduction_bit_for_bit(device, plan, dtype,
+                                                             highest_fp32):
+    """split_inline: one launch whose programs add their tile's K splits in split order, as
+    the reduction kernel adds the partials: the same bits with no workspace and no reduction
+    (portable kernel; the TMA kernel launches as without it). K whose last split is short, the
+    tail split's whole tiles beside split ones (the interpreter counts 4 SMs), an fp32
+    output."""
+    split = PLANS[plan]
+    inline = dataclasses.replace(split, split_inline=True)
+    for m, n, k in ((40, 90, 200), (37, 45, 700), (1, 33, 96), (80, 96, 130)):
+        a, b = randn((m, k), dtype, device), randn((k, n), dtype, device)
+        bias = randn((n,), dtype, device)
+        out = a.new_empty((m, n))
+        prepared = launcher.prepare_launch(a, b, bias, out, "gelu", False, inline, None)
+        by_reduction = launcher.prepare_launch(a, b, bias, out, "gelu", False, split, None)
+        if by_reduction.kernel is mm_kernel:  # (a TMA plan the interpreter runs portable)
+            assert by_reduction.reduce is not None and by_reduction.workspace_shape is not None
+            assert len(prepared.launches) == 1 and prepared.reduce is None
+            assert prepared.workspace_shape is None
+            assert prepared.launches[0][1]["SPLIT_INLINE"]
+            assert prepared.launches[0][0] == (tuning.output_tiles(m, n, split.tile),)
+        else:
+            assert prepared.launches == by_reduction.launches
+        for out_dtype in (None, torch.float32):
+            want = _run(split, a, b, bias, "gelu", out_dtype)
+            assert rel_error(want, reference(a, b, bias, "gelu")) <= tolerance(dtype, dtype)
+            assert torch.equal(_run(inline, a, b, bias, "gelu", out_dtype), want)
+
+
 # The GEMM kernels compiled for sm_90 without a GPU: a bf16 64x64x64 launch's constants, row-
 # major A and B = W.t(); ``portable``: the portable kernel's own.
 _HOPPER_MM_PREAMBLE = """
@@ -220,6 +255,26 @@ def test_splits_that_finish_their_tiles_compile_for_hopper():
     from test_mm import _run_without_interpreter
 
     assert _run_without_interpreter(_FIXUP_COMPILE_SCRIPT).split() == ["True"] * 9
+
+
+_INLINE_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """
+constants.update(HAS_BIAS=True, ACTIVATION="gelu")
+portable.update(A_M_ALIGN=8, B_N_ALIGN=8)  # pitches of 8 elements: 16-byte rows
+for inline in (False, True):
+    compiled = compile_for(mm_kernel, pointers, {**constants, **portable, "SPLIT_INLINE": inline},
+                           ["a_ptr", "b_ptr", "c_ptr"], num_warps=4, num_stages=4)
+    ptx = compiled.asm["ptx"]
+    print("mma" in ptx, "cp.async" in ptx)
+"""
+
+
+def test_splits_in_one_launch_compile_for_hopper():
+    """The portable kernel with SPLIT_INLINE (its K loop inside a loop over the splits) builds
+    for sm_90 with tensor-core MMAs and its loads software-pipelined (asynchronous copies), as
+    without it; compiled without a GPU."""
+    from test_mm import _run_without_interpreter
+
+    assert _run_without_interpreter(_INLINE_COMPILE_SCRIPT).split() == ["True"] * 4
 
 
 _PDL_COMPILE_SCRIPT = _HOPPER_MM_PREAMBLE + """

@@ -247,7 +247,7 @@ def _plan_from_json(key: str, entry: Any) -> MMPlan:
 
 # MMPlan fields added since the file format began: a file written before may lack them (the
 # plan then takes the field's default).
-_ADDED_FIELDS = frozenset({"split_fixup", "swap_ab"})
+_ADDED_FIELDS = frozenset({"split_fixup", "swap_ab", "split_inline"})
 
 
 def _dataclass_from_json(cls: type, entry: Any, where: str) -> Any:

@@ -157,6 +157,13 @@ class Work:
 
 def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work:
     """The work of ``plan`` on an m x n x k product (see ``Work``)."""
+    if plan.split_inline and plan.kernel == "portable":
+        # One program per tile through all of its K splits: the unsplit plan's K steps, and
+        # a tile's prologue and epilogue for each split (its K loop starts afresh).
+        whole = plan_work(dataclasses.replace(plan, split_k=1, split_tail=False,
+                                              split_inline=False), m, n, k, num_sms)
+        split, _ = tuning.effective_split(k, plan.tile.block_k, plan.split_k)
+        return dataclasses.replace(whole, tiles=whole.tiles * split)
     tile = plan.tile
     tiles = tuning.output_tiles(m, n, tile)
     k_steps = max(1, -(-k // tile.block_k))
@@ -418,15 +425,15 @@ def eager_launches(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int,
                    copies: int = 0) -> tuple[int, int]:
     """(kernel launches, operand copies) of an eager call of ``plan`` on an m x n x k product,
     as the launcher makes them: a tail split launches its whole tiles and its split ones apart,
-    a split without fix-ups its reduction, and a TMA plan first copies the ``copies`` operands
-    it cannot describe as they are."""
+    a split without fix-ups its reduction (a portable ``split_inline`` plan: one launch), and a
+    TMA plan first copies the ``copies`` operands it cannot describe as they are."""
     split, _ = tuning.effective_split(k, plan.tile.block_k, plan.split_k)
     if plan.stream_k and plan.kernel == "tma" and split <= 1:
         return 2, 0  # the GEMM and the zeroing of its flags
     whole, split = tuning.split_tiles(tuning.output_tiles(m, n, plan.tile), split,
                                       plan.split_tail, num_sms)
     launches = 1
-    if split > 1:
+    if split > 1 and not (plan.split_inline and plan.kernel == "portable"):
         launches += (whole > 0) + (not tuning.fixes_up_splits(plan, split))
     return launches, copies if plan.kernel == "tma" else 0
 
@@ -451,47 +458,42 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     """The plan that eager calls of a product launch instead of ``picked`` (``modelled_plan``'s,
     which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
     operands TMA cannot read as they are (0 where ``aligned``); ``l2_bytes``: as for
-    ``modelled_plan``. Where ``picked`` makes more
-    than one launch (a K split and its reduction) or copies operands: the plan of the space
-    that makes one launch of the portable kernel with the least ``eager_us``, if that is at
-    most EAGER_MARGIN of ``picked``'s (the host's time of ``picked``'s extra launches then
-    outweighs the GPU time they save). Such a plan sums in another order: other bits than
-    ``picked``.
+    ``modelled_plan``; ``tma``: unused (the signature of the plan model's other choices).
 
-    On an H100, on the 69 products of a seed-2110 sweep (bf16 and fp16) whose eager plan this
-    changed, both plans in one process, alternating: eager calls 1.38x faster in geomean,
-    0.645 -> 0.889 of torch.mm's eager speed, captures unchanged
-    (docs/data/eager-unsplit-ab-h100-seed2110.csv); 6 ran slower by more than 5%, the worst
-    1985 x 803 x 1128 with a column-major A in both dtypes (one TMA launch on a copy of A,
-    moved to a tail split in three launches: 39 -> 80 us in bf16), which is why only plans of
-    one launch qualify (chosen after that run), then 0.84-0.89x on four small products whose
-    other dtype ran 1.14-1.33x faster (the host's noise). Held out on seed 2111 on an H200
-    (docs/data/eager-plans-held-out-h200-seed2111.csv, 43 products): 1.53x faster where the
-    eager plan was portable (20, none slower), 0.82x where it was a TMA one (23; 0.5x at
-    worst: eager TMA launches of small products took that host 40-70 us, the portable
-    kernel's 16-30), hence portable plans only (chosen after that run; on the H100 run, 1.40x
-    and 1.35x); held out on seed 2112 on an H200, 68 products, 1.48x, none slower
-    (docs/data/eager-plans-held-out-h200-seed2112.csv). The alternative that keeps the bits,
-    ``picked`` with splits that finish their tiles themselves (no reduction launch), gained
-    1.02x on seed 2111's 87 such
-    products (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): the fix-ups' kernel time ate
-    the host's saving."""
+    Where ``picked`` is a K split of the portable kernel with a reduction launch (and a launch
+    of its whole tiles, for a tail split): the same plan in one launch (``split_inline``: each
+    program adds its tile's splits in split order, the bits of ``picked``), if ``eager_us``
+    predicts that at most EAGER_MARGIN of ``picked``'s (the host's time of the extra launches
+    then outweighs the GPU time the split saves). Not where a pitch lets the K loop load only
+    element by element (``narrow`` with no ``pitch_vector``): one program then waits for each
+    step's loads in turn, which the split spread over many (on an H200, 64 x 149 x 1163 ran 20
+    -> 40 us, 8 x 648 x 2249 19 -> 64 us).
+
+    On an H200, seed-2115 sweep (bf16 and fp16), the 48 products this rule moved without that
+    exception and without ``plan_work``'s charge for each split's fresh K loop, both settings
+    in one process, alternating (docs/data/eager-inline-h200-seed2115.csv): the same bits
+    every time; 26 of them the final rule moves, eager calls 1.45x faster in geomean, none
+    slower (a fit: those exceptions were chosen on this run). The rule before took the fastest
+    one-launch plan of any tile, unsplit (other bits, so it was opt-in): 1.48x on seed 2112
+    (docs/data/eager-plans-held-out-h200-seed2112.csv), 52 of its 68 moves onto ``picked``'s
+    own tile. Splits that finish their tiles themselves (one launch, many programs per tile)
+    gained only 1.02x (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): their fix-ups' kernel
+    time ate the host's saving."""
+    del tma
+    if (picked.kernel != "portable" or picked.split_fixup or picked.split_inline
+            or (narrow and not pitch_vector)):
+        return None
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
     costs = with_machine(H100_COSTS, num_sms, l2_bytes)
-    launches, copied = eager_launches(picked, m, n, k, num_sms, copies)
-    if (launches, copied) == (1, 0):
-        return None  # nothing to save: every plan launches at least once
+    if eager_launches(picked, m, n, k, num_sms, copies)[0] == 1:
+        return None  # nothing to save: unsplit
+    inline = dataclasses.replace(picked, split_inline=True)
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
-    plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
-             if p.kernel == "portable" and not p.split_fixup
-             and eager_launches(p, m, n, k, num_sms)[0] == 1]
-    if not plans:
+    if eager_us(costs, host, inline, *args) > EAGER_MARGIN * eager_us(costs, host, picked,
+                                                                      *args):
         return None
-    best = min(plans, key=lambda p: eager_us(costs, host, p, *args))
-    if eager_us(costs, host, best, *args) > EAGER_MARGIN * eager_us(costs, host, picked, *args):
-        return None
-    return best
+    return inline
 
 
 def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None) -> Costs:

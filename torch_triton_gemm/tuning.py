@@ -69,6 +69,10 @@ class MMPlan:
     # products of a few rows then put the weight's rows, not the tokens, along the tile's
     # 64-row side (``swap_plan``). The launcher swaps the operands; no bias.
     swap_ab: bool = False
+    # Eager calls of a portable, unscaled K split: one launch whose programs add their tile's
+    # splits in split order (no partials in memory, no reduction launch), the bits of the split
+    # launches (``plan_model.eager_plan``; kernels/matmul.py's SPLIT_INLINE).
+    split_inline: bool = False
 
 
 # Tiles written for 2-byte inputs; BLOCK_K is rescaled per dtype so that a pipeline stage moves
@@ -924,13 +928,13 @@ EAGER_PLANS_ENV = "TORCH_TRITON_GEMM_EAGER_PLANS"
 
 
 def eager_plans_enabled() -> bool:
-    """Whether plain eager calls of tgemm::mm may launch one portable kernel where the
-    planner's plan makes more launches (a K split's reduction, padded copies) and their host
-    time outweighs the GPU time they save (``plan_model.eager_plan``); CUDA-graph captures and
-    compiled calls keep the planner's plan, and a signature's first eager call runs it too
-    (see ops/launcher.py's eager_or_capture). Such calls then differ from those in the last
-    bits (another summation order), so off unless ``TORCH_TRITON_GEMM_EAGER_PLANS=1``."""
-    return env.flag(EAGER_PLANS_ENV, False)
+    """Whether plain eager calls of tgemm::mm may run the planner's portable K split in one
+    launch (``MMPlan.split_inline``: no reduction launch, the same bits) where the host's time
+    for the split's extra launches outweighs the GPU time it saves (``plan_model.eager_plan``);
+    CUDA-graph captures and compiled calls keep the planner's launches, and a signature's first
+    eager call runs them too (see ops/launcher.py's eager_or_capture). On unless
+    ``TORCH_TRITON_GEMM_EAGER_PLANS=0``."""
+    return env.flag(EAGER_PLANS_ENV, True)
 
 
 def pitch_alignment(stride: Any, element_size: int) -> int:
@@ -983,7 +987,7 @@ def launch_meta(plan: MMPlan, split: bool,
                 stream_k: bool = False, fixup_splits: int = 0,
                 aligns: tuple[int, ...] = (1, 1, 1, 1, 1, 1, False),
                 num_stages: int | None = None, pdl: bool = False,
-                c_align: int = 1) -> Mapping[str, Any]:
+                c_align: int = 1, split_inline: bool = False) -> Mapping[str, Any]:
     """Meta-parameters launching ``plan``'s kernel, with K splits or not (``split``), the
     scaling recipe (SCALING, SA_ROWS, SB_COLS, FAST_ACCUM), stream-K tiles or not,
     (``fixup_splits``, the portable kernel's split launches) the splits that finish their tiles
@@ -993,7 +997,8 @@ def launch_meta(plan: MMPlan, split: bool,
     (the portable kernel's, when K is known): its pipeline depth, ``pipeline_stages`` of the
     tile's for the K steps each program takes (the depth, not the steps, keys this cache, so
     that it stays as small as the plans); ``pdl``: launched with programmatic dependent launch
-    (``dependent_launch``); ``c_align``: the ``store_alignment`` of C; read-only."""
+    (``dependent_launch``); ``c_align``: the ``store_alignment`` of C; ``split_inline``: the
+    portable kernel's one launch of a K split (``MMPlan.split_inline``); read-only."""
     meta: dict[str, Any] = {
         **tile_meta(plan.tile), "SPLIT": split,
         "SCALING": scaling[0], "SA_ROWS": scaling[1], "SB_COLS": scaling[2],
@@ -1011,6 +1016,7 @@ def launch_meta(plan: MMPlan, split: bool,
          meta["M_ALIGN"], meta["N_ALIGN"], meta["N_ODD"]) = aligns
         if num_stages is not None:
             meta["num_stages"] = num_stages
+        meta["SPLIT_INLINE"] = split_inline
     # (Passed either way: torch.compile's Triton kernel wrapper takes no defaults.)
     meta.update(PDL_META if pdl else NO_PDL_META)
     meta["C_ALIGN"] = c_align

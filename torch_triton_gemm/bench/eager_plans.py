@@ -1,6 +1,7 @@
-"""Eager plans (``TORCH_TRITON_GEMM_EAGER_PLANS=1``) against the planner's plan, on a GPU: the
-products of a seeded sweep (or mm suites) whose eager plan differs, each timed eager and
-kernel-only (CUDA-graph replays) next to torch.mm, both settings in one process, alternating.
+"""Eager plans (on unless ``TORCH_TRITON_GEMM_EAGER_PLANS=0``) against the planner's plan, on a
+GPU: the products of a seeded sweep (or mm suites) whose eager plan differs, each timed eager
+and kernel-only (CUDA-graph replays) next to torch.mm, both settings in one process,
+alternating.
 
     python -m torch_triton_gemm.bench.eager_plans --seed 2112 --count 300 --csv eager.csv
 
@@ -10,7 +11,7 @@ host's drift between processes out of the comparison. One CSV row per product, d
 repetition and setting (``eager_plans`` 0 or 1): the planner's plan and the eager one, tgemm's
 and torch.mm's microseconds per call eager and kernel-only, the relative error against a
 float64 product, and whether the settings gave the same bits (``same_bits``: captures launch
-the planner's plan in both, so only eager calls may differ).
+the planner's plan in both, and an eager plan is that plan in one launch, so it should hold).
 """
 
 from __future__ import annotations

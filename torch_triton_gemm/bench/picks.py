@@ -47,13 +47,14 @@ FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "na
 
 def plan_name(plan: tuning.MMPlan | None) -> str:
     """A plan as one compact field: kernel, tile (BMxBNxBK, warps, stages), K splits (T: the
-    partial wave's only, F: finishing their own tiles), stream-K, padded copies."""
+    partial wave's only, F: finishing their own tiles, I: in one launch), stream-K, padded
+    copies."""
     if plan is None:
         return "none"
     t = plan.tile
     name = (f"{plan.kernel}:{t.block_m}x{t.block_n}x{t.block_k}w{t.num_warps}s{t.num_stages}"
             f":sk{plan.split_k}{'T' if plan.split_tail else ''}"
-            f"{'F' if plan.split_fixup else ''}")
+            f"{'F' if plan.split_fixup else ''}{'I' if plan.split_inline else ''}")
     if plan.stream_k:
         name += f":streamk{plan.stream_k}"
     return name + (":pad" if plan.pad else "")

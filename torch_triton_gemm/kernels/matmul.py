@@ -169,7 +169,7 @@ def mm_kernel(
     SPLIT_FIXUP: tl.constexpr, SPLIT_K: tl.constexpr, A_M_ALIGN: tl.constexpr,
     A_K_ALIGN: tl.constexpr, B_K_ALIGN: tl.constexpr, B_N_ALIGN: tl.constexpr,
     M_ALIGN: tl.constexpr, N_ALIGN: tl.constexpr, N_ODD: tl.constexpr = False,
-    C_ALIGN: tl.constexpr = 1, PDL: tl.constexpr = False,
+    C_ALIGN: tl.constexpr = 1, PDL: tl.constexpr = False, SPLIT_INLINE: tl.constexpr = False,
 ):
     # One program computes one work unit (see work_unit; the grid has ``units`` programs): a
     # [BLOCK_M, BLOCK_N] tile of C, or one K split of one. Tiles go in GROUP_M-row bands for L2
@@ -189,10 +189,16 @@ def mm_kernel(
     # 2536x965x64 with B row-major ran 2.5x cuBLAS's time); claiming runs of 2 (wrong only at
     # the wrap; with no divisibility claimed the loads stay scalar, so nothing is read as a
     # vector across it) lays them along N. C_ALIGN: see store_epilogue. PDL: launched with
-    # programmatic dependent launch (see dependent_launch_wait).
+    # programmatic dependent launch (see dependent_launch_wait). SPLIT_INLINE: a K split's work
+    # in one launch (eager calls, where a second launch costs the host more than the split
+    # saves), unscaled: program ``unit`` runs tile ``unit``, and from ``first_tile`` on adds its
+    # K splits' sums in split order as splitk_reduce_kernel adds their partials: the same bits.
     unit = tl.program_id(axis=0)
-    tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M, BLOCK_N,
-                                     SPLIT)
+    if SPLIT_INLINE:
+        tile, k_start, k_len = unit, 0, K
+    else:
+        tile, k_start, k_len = work_unit(unit, first_tile, M, N, K, k_per_split, BLOCK_M,
+                                         BLOCK_N, SPLIT)
     pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = widen(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), INDEX_64)
     offs_n = widen(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), INDEX_64)
@@ -206,13 +212,31 @@ def mm_kernel(
     if N_ODD:
         cols = tl.max_contiguous(cols, 2)
     dependent_launch_wait(PDL)
-    acc = k_loop(
-        a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start, k_len,
-        stride_am, stride_ak, stride_bk, stride_bn,
-        sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
-        BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
-        SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, A_M_ALIGN, A_K_ALIGN, B_K_ALIGN, B_N_ALIGN,
-    )
+    if SPLIT_INLINE:
+        # The first split's K, or all of it (whole tiles); zero plus the first split's sum is
+        # that sum (16-bit operands: a sum from a +0 accumulator is never -0).
+        k_len = tl.where(tile >= first_tile, k_per_split, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for split in range(0, tl.cdiv(K, k_len)):
+            # Whole BLOCK_K steps from the start: told, the loads of a K-contiguous operand
+            # stay aligned vectors, software-pipelined.
+            k_split = widen(tl.multiple_of(split * k_len, BLOCK_K), INDEX_64)
+            acc += k_loop(
+                a_ptr + k_split * stride_ak, b_ptr + k_split * stride_bk, rows, cols, k_split,
+                tl.minimum(k_len, K - k_split), stride_am, stride_ak, stride_bk, stride_bn,
+                sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+                SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, A_M_ALIGN, A_K_ALIGN, B_K_ALIGN,
+                B_N_ALIGN,
+            )
+    else:
+        acc = k_loop(
+            a_ptr + k_start * stride_ak, b_ptr + k_start * stride_bk, rows, cols, k_start,
+            k_len, stride_am, stride_ak, stride_bk, stride_bn,
+            sa_ptr, sb_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
+            BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, UPCAST_TO_FP32, INDEX_64,
+            SCALING, SA_ROWS, SB_COLS, FAST_ACCUM, A_M_ALIGN, A_K_ALIGN, B_K_ALIGN, B_N_ALIGN,
+        )
     dependent_launch_trigger(PDL)
     acc = outer_scales(acc, sa_ptr, sb_ptr, rows, cols, stride_sam, stride_sbn, SCALING)
     if SPLIT:

@@ -154,6 +154,10 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     whole_tiles, split_k = tuning.split_tiles(tiles, split_k, plan.split_tail, num_sms(device))
     split_units = (tiles - whole_tiles) * split_k if split_k > 1 else 0
     fixup = type(split_k) is int and tuning.fixes_up_splits(plan, split_k)
+    # One launch of the portable kernel adding each tile's splits itself (eager calls); the
+    # TMA kernel and scaled products split as the plan's twin without it does (same bits).
+    inline = (plan.split_inline and plan.kernel == "portable" and scales is None
+              and split_k > 1 and not fixup)
     index_64 = needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                      (M, N, stride_cm, stride_cn),
                                      (max(split_units, programs) * tile.block_m, tile.block_n,
@@ -190,7 +194,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     pdl_capability = (_device.capability(device) if device.type == "cuda" and not traceable
                       and not _INTERPRETED and _DEPENDENT_LAUNCH else (0, 0))
 
-    def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any
+    def gemm_launch(first_tile: Any, units: Any, split: bool, k_per_split: Any,
+                    inline: bool = False
                     ) -> tuple[tuple[int], Mapping[str, Any], tuple[Any, ...]]:
         # Runtime arguments after the tensors (a, b, out, bias, workspace, locks, scale_a,
         # scale_b), in the kernels' shared order; the plan's meta-parameters come after them.
@@ -207,11 +212,15 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             kernel is mm_tma_kernel) else (units,)
         pdl = tuning.dependent_launch(grid[0], num_sms(device), pdl_capability)
         meta = tuning.launch_meta(plan, split, scaling, sk_tiles > 0,
-                                  split_k if fixup else 0, aligns, stages, pdl, c_align)
+                                  split_k if fixup else 0, aligns, stages, pdl, c_align,
+                                  inline)
         return grid, {**meta, **flags} if flags else meta, runtime_args
 
     launches = []
-    if sk_tiles:
+    if inline:  # every tile, the split ones (from whole_tiles on) in K splits of k_per_split
+        launches.append(gemm_launch(whole_tiles, tiles, False, k_per_split, inline=True))
+        split_k = 1  # no workspace, no reduction
+    elif sk_tiles:
         launches.append(gemm_launch(sk_tiles, tiles - sk_tiles, False, K))
     elif split_k == 1 or whole_tiles > 0:  # (split_k first: no guard on symbolic sizes)
         launches.append(gemm_launch(0, whole_tiles, False, K))
