@@ -932,9 +932,13 @@ def eager_plans_enabled() -> bool:
     launch (``MMPlan.split_inline``: no reduction launch, the same bits) where the host's time
     for the split's extra launches outweighs the GPU time it saves (``plan_model.eager_plan``);
     CUDA-graph captures and compiled calls keep the planner's launches, and a signature's first
-    eager call runs them too (see ops/launcher.py's eager_or_capture). On unless
-    ``TORCH_TRITON_GEMM_EAGER_PLANS=0``."""
-    return env.flag(EAGER_PLANS_ENV, True)
+    eager call runs them too (see ops/launcher.py's eager_or_capture). Off unless
+    ``TORCH_TRITON_GEMM_EAGER_PLANS=1``: under launch hooks (a profiler's) eager calls keep the
+    planner's launches (no direct launches, so the capture launch never counts as run), while
+    compile-ahead also builds the eager plan's kernels; a GPU test of a linear layer's
+    backward found the two apart (tests/test_warmup.py's
+    test_variants_are_those_real_calls_launch)."""
+    return env.flag(EAGER_PLANS_ENV, False)
 
 
 def pitch_alignment(stride: Any, element_size: int) -> int:
