@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from samples import randn
+from samples import randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import tuning
@@ -210,6 +210,28 @@ def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
     assert launcher.eager_or_capture(prepared) is prepared
     monkeypatch.setattr(launcher, "_capturing", lambda: True)
     assert launcher.eager_or_capture(prepared) is split
+
+
+def test_a_capture_launch_run_under_launch_hooks_counts_as_run(monkeypatch):
+    """Under launch hooks (a profiler's) run_kept launches through the JIT and keeps no
+    direct launches; the capture launch still counts as run once it ran (its kernels are
+    loaded), so later eager calls take the eager launch, as without hooks."""
+    monkeypatch.setattr(launcher, "_launch_hooks_set", lambda: True)
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
+    a = randn((64, 128), torch.float16, "cpu")
+    b = randn((128, 48), torch.float16, "cpu")
+    out = torch.empty((64, 48), dtype=torch.float16)
+    tile = tuning.INTERPRETER_TILE
+    whole, split = (launcher.kept(launcher.prepare_launch(
+        a, b, None, out, "none", False, tuning.MMPlan("portable", tile, split_k=s), None))
+        for s in (1, 2))
+    prepared = whole._replace(capture=split)
+    assert launcher.eager_or_capture(prepared) is split
+    launcher.run_kept(split, a, b, None, out, None, None)
+    assert not [k for k in split.compiled[-1] if k != launcher._RAN]  # no direct launches
+    assert launcher.eager_or_capture(prepared) is prepared
+    assert rel_error(out, reference(a, b, None, "none")) <= tolerance(torch.float16,
+                                                                       torch.float16)
 
 
 @pytest.mark.parametrize("kernel", ["tma", "portable"])

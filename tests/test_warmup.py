@@ -121,18 +121,14 @@ def test_backward_specs_of_row_major_operands_and_recomputing_activations():
     assert compile_ahead.backward_specs(spec, False, False) == []
 
 
-@pytest.mark.parametrize("plan", sorted(PLANS))
-@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
-def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
-    """Forward and backward of one product, twice: the variants planned ahead are exactly the
-    ones the calls launch (kernel, meta-parameters and every specialised argument), those of
-    plain eager calls' plans included where they launch fewer kernels than the planner's
-    (planner.eager_mm_plan; a signature's first call launches the planner's plan)."""
+def _launched_and_planned(monkeypatch: pytest.MonkeyPatch, layout: str,
+                          forced: tuning.MMPlan | None) -> tuple[set[tuple], set[tuple]]:
+    """The variants that forward and backward of one product, twice, launch, and those
+    compile-ahead plans for it."""
     M, N, K = _tail_rows(), 48, 96
     a = _operand(M, K, layout[0] == "t")
     b = _operand(K, N, layout[1] == "t")
     launched = _record_launches(monkeypatch)
-    forced = PLANS[plan]
     spec = compile_ahead.linear_spec(M, N, K, DTYPE, DEVICE, layout)
     # The backward in this thread: a forced plan (a context variable) reaches its calls.
     with tuning.force_plan(forced) if forced else _nothing(), \
@@ -140,13 +136,37 @@ def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
         expected = _keys(warming.all_specs([spec]))
         for _ in range(2):
             tg.mm(a, b).backward(torch.randn(M, N, dtype=DTYPE, device=DEVICE))
-    assert set(launched) == expected
+    return set(launched), expected
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
+def test_variants_are_those_real_calls_launch(monkeypatch, plan, layout):
+    """Forward and backward of one product, twice: the variants planned ahead are exactly the
+    ones the calls launch (kernel, meta-parameters and every specialised argument)."""
+    forced = PLANS[plan]
+    launched, expected = _launched_and_planned(monkeypatch, layout, forced)
+    assert launched == expected
     kernels = {key[0] for key in expected}
     if forced is not None:
         assert launcher.splitk_reduce_kernel in kernels
     if plan == "portable-tail-split3":  # whole tiles unsplit, the partial wave split
         assert {dict(key[3])["SPLIT"] for key in expected if key[0] is launcher.mm_kernel} == {
             False, True}
+
+
+@pytest.mark.parametrize("layout", ["nt", "nn", "tn"])
+def test_variants_are_those_real_calls_launch_with_eager_plans(monkeypatch, layout):
+    """With TORCH_TRITON_GEMM_EAGER_PLANS=1, under launch hooks (as a profiler sets them): the
+    planned variants are still exactly those launched, the one-launch K split of the weight
+    gradient's later calls among them on a GPU (planner.eager_mm_plan; a signature's first
+    call launches the planner's split, which counts as run although hooks keep it off the
+    direct launches)."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
+    launched, expected = _launched_and_planned(monkeypatch, layout, None)
+    assert launched == expected
+    if DEVICE == "cuda":  # (the interpreter's calls keep the planner's plan)
+        assert any(dict(key[3]).get("SPLIT_INLINE") for key in launched)
 
 
 def test_variants_with_bias_and_a_recomputed_activation(monkeypatch):

@@ -933,11 +933,11 @@ def eager_plans_enabled() -> bool:
     for the split's extra launches outweighs the GPU time it saves (``plan_model.eager_plan``);
     CUDA-graph captures and compiled calls keep the planner's launches, and a signature's first
     eager call runs them too (see ops/launcher.py's eager_or_capture). Off unless
-    ``TORCH_TRITON_GEMM_EAGER_PLANS=1``: under launch hooks (a profiler's) eager calls keep the
-    planner's launches (no direct launches, so the capture launch never counts as run), while
-    compile-ahead also builds the eager plan's kernels; a GPU test of a linear layer's
-    backward found the two apart (tests/test_warmup.py's
-    test_variants_are_those_real_calls_launch)."""
+    ``TORCH_TRITON_GEMM_EAGER_PLANS=1`` until a GPU run confirms the fix of what a GPU test
+    found with them on: under launch hooks (a profiler's) eager calls kept the planner's
+    launches (no direct launches, so the capture launch never counted as run) while
+    compile-ahead built the eager plan's kernels too (tests/test_warmup.py's
+    test_variants_are_those_real_calls_launch_with_eager_plans)."""
     return env.flag(EAGER_PLANS_ENV, False)
 
 

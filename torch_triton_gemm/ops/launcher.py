@@ -518,6 +518,12 @@ def kept(prepared: PreparedLaunch) -> PreparedLaunch:
     return prepared._replace(compiled=tuple({} for _ in range(len(prepared.launches) + 2)))
 
 
+# Kept in a kept launch's last cache (beside its direct launches, keyed by device) once the
+# launch has run in this process, whichever path it took: under launch hooks (a profiler's) it
+# never builds direct launches, but its kernels are loaded all the same.
+_RAN = "ran"
+
+
 def eager_or_capture(prepared: PreparedLaunch) -> PreparedLaunch:
     """The launch a kept eager call runs: ``prepared``, or its ``capture`` launch in a CUDA
     graph capture, where the host's time is paid once, and until that launch has run once in
@@ -598,6 +604,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     if direct is None or _launch_hooks_set() or capturing or (
             tma_host is not None and tma_host[0] != graph_descriptors.GENERATION):
         host_settled = run_launch(prepared, a, b, bias, out, scale_a, scale_b, False)
+        prepared.compiled[-1][_RAN] = True  # (see eager_or_capture)
         if direct is None and device is not None:
             direct = _direct_launches(prepared, device)
         if direct is not None:
