@@ -192,7 +192,9 @@ def test_eager_calls_launch_the_eager_plan_and_captures_the_planners(recorder, d
     assert launched() == [("mm_kernel", None)]
 
 
-def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
+def _kept_whole_and_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                     launcher.PreparedLaunch, launcher.PreparedLaunch]:
+    """CPU operands, an output, and the kept launches of an unsplit and a 2-way split plan."""
     a = randn((64, 128), torch.float16, "cpu")
     b = randn((128, 48), torch.float16, "cpu")
     out = torch.empty((64, 48), dtype=torch.float16)
@@ -200,6 +202,11 @@ def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
     whole, split = (launcher.kept(launcher.prepare_launch(
         a, b, None, out, "none", False, tuning.MMPlan("portable", tile, split_k=s), None))
         for s in (1, 2))
+    return a, b, out, whole, split
+
+
+def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
+    _, _, _, whole, split = _kept_whole_and_split()
     assert split.reduce is not None and whole.reduce is None
     plain = launcher.eager_or_capture(whole)
     assert plain is whole
@@ -218,13 +225,7 @@ def test_a_capture_launch_run_under_launch_hooks_counts_as_run(monkeypatch):
     loaded), so later eager calls take the eager launch, as without hooks."""
     monkeypatch.setattr(launcher, "_launch_hooks_set", lambda: True)
     monkeypatch.setattr(launcher, "_capturing", lambda: False)
-    a = randn((64, 128), torch.float16, "cpu")
-    b = randn((128, 48), torch.float16, "cpu")
-    out = torch.empty((64, 48), dtype=torch.float16)
-    tile = tuning.INTERPRETER_TILE
-    whole, split = (launcher.kept(launcher.prepare_launch(
-        a, b, None, out, "none", False, tuning.MMPlan("portable", tile, split_k=s), None))
-        for s in (1, 2))
+    a, b, out, whole, split = _kept_whole_and_split()
     prepared = whole._replace(capture=split)
     assert launcher.eager_or_capture(prepared) is split
     launcher.run_kept(split, a, b, None, out, None, None)
