@@ -186,7 +186,7 @@ def test_splits_that_finish_their_tiles_match_the_reduction_bit_for_bit(device, 
 
 
 @pytest.mark.parametrize("plan", ["portable-split3", "portable-tail-split3", "tma-split3"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_splits_in_one_launch_match_the_reduction_bit_for_bit(device, plan, dtype,
                                                              highest_fp32):
     """split_inline: one launch whose programs add their tile's K splits in split order, as
