@@ -538,7 +538,7 @@ def test_eager_calls_take_one_launch_where_the_host_outweighs_the_gpu(h100, m, n
     picked = plan_model.modelled_plan(m, n, k, 2, 2, True, num_sms, *view)
     if (m, n, k) == (64, 149, 1163):
         assert picked.kernel == "portable" and picked.split_k > 1
-    eager = plan_model.eager_plan(picked, m, n, k, 2, 2, True, num_sms, *view, copies=copies)
+    eager = plan_model.eager_plan(picked, m, n, k, 2, 2, num_sms, *view, copies=copies)
     assert (eager is not None) == moves
     if eager is None:
         return
@@ -579,9 +579,9 @@ def test_a_faster_host_keeps_the_picks_launches(h100):
     picked = plan_model.modelled_plan(64, 120, 1160, 2, 2, True, 132, True, True, False, 16)
     assert plan_model.eager_launches(picked, 64, 120, 1160, 132) == (2, 0)
     view = (True, True, False, 16)
-    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, *view) is not None
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, 132, *view) is not None
     fast = plan_model.HostCosts(call_us=2.0, launch_us=0.5, copy_us=2.0)
-    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, True, 132, *view,
+    assert plan_model.eager_plan(picked, 64, 120, 1160, 2, 2, 132, *view,
                                  host=fast) is None
 
 

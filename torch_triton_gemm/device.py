@@ -99,13 +99,13 @@ def dram_gbps(device: torch.device) -> float:
     return _dram_gbps(_index(device))
 
 
-# L2 cache assumed when no GPU can be asked: an H100's (and an H200's).
+# L2 cache assumed when no GPU can be asked: an H100's.
 _PORTABLE_L2_BYTES = 50 * 2**20
 
 
 def l2_cache_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache in bytes (50 MiB on an H100 or H200), the H100's where no GPU can be
-    asked or the driver does not say."""
+    """The GPU's L2 cache in bytes (50 MiB on an H100, 60 MiB on an H200), the H100's where no
+    GPU can be asked or the driver does not say."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return _PORTABLE_L2_BYTES
     return int(getattr(_properties(_index(device)), "L2_cache_size", 0) or _PORTABLE_L2_BYTES)

@@ -157,7 +157,7 @@ class Work:
 
 def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work:
     """The work of ``plan`` on an m x n x k product (see ``Work``)."""
-    if plan.split_inline and plan.kernel == "portable":
+    if tuning.inlines_splits(plan):
         # One program per tile through all of its K splits: the unsplit plan's K steps, and
         # a tile's prologue and epilogue for each split (its K loop starts afresh).
         whole = plan_work(dataclasses.replace(plan, split_k=1, split_tail=False,
@@ -433,7 +433,7 @@ def eager_launches(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int,
     whole, split = tuning.split_tiles(tuning.output_tiles(m, n, plan.tile), split,
                                       plan.split_tail, num_sms)
     launches = 1
-    if split > 1 and not (plan.split_inline and plan.kernel == "portable"):
+    if split > 1 and not tuning.inlines_splits(plan):
         launches += (whole > 0) + (not tuning.fixes_up_splits(plan, split))
     return launches, copies if plan.kernel == "tma" else 0
 
@@ -451,14 +451,14 @@ def eager_us(costs: Costs, host: HostCosts, plan: tuning.MMPlan, m: int, n: int,
 
 
 def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
-               out_size: int, tma: bool, num_sms: int, aligned: bool = True,
+               out_size: int, num_sms: int, aligned: bool = True,
                narrow: bool = False, a_m_contiguous: bool = False, pitch_vector: int = 0,
                copies: int = 0, host: HostCosts = H100_HOST,
                l2_bytes: int | None = None) -> tuning.MMPlan | None:
     """The plan that eager calls of a product launch instead of ``picked`` (``modelled_plan``'s,
     which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
     operands TMA cannot read as they are (0 where ``aligned``); ``l2_bytes``: as for
-    ``modelled_plan``; ``tma``: unused (the signature of the plan model's other choices).
+    ``modelled_plan``.
 
     Where ``picked`` is a K split of the portable kernel with a reduction launch (and a launch
     of its whole tiles, for a tail split): the same plan in one launch (``split_inline``: each
@@ -479,7 +479,6 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     own tile. Splits that finish their tiles themselves (one launch, many programs per tile)
     gained only 1.02x (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): their fix-ups' kernel
     time ate the host's saving."""
-    del tma
     if (picked.kernel != "portable" or picked.split_fixup or picked.split_inline
             or (narrow and not pitch_vector)):
         return None

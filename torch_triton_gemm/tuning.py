@@ -1062,6 +1062,12 @@ def pipeline_stages(num_stages: int, k_steps: int) -> int:
 FIXUP_MAX_SPLITS = 16
 
 
+def inlines_splits(plan: MMPlan) -> bool:
+    """Whether ``plan``'s K splits run in one launch, each program adding its tile's splits
+    (``MMPlan.split_inline``: the portable kernel's; other kernels split as without it)."""
+    return plan.split_inline and plan.kernel == "portable"
+
+
 def fixes_up_splits(plan: MMPlan, split_k: int) -> bool:
     """Whether ``plan``'s K splits (``split_k`` of them, as launched) finish their tiles
     themselves: the GEMM kernels', when the plan asks, up to FIXUP_MAX_SPLITS."""

@@ -156,8 +156,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     fixup = type(split_k) is int and tuning.fixes_up_splits(plan, split_k)
     # One launch of the portable kernel adding each tile's splits itself (eager calls); the
     # TMA kernel and scaled products split as the plan's twin without it does (same bits).
-    inline = (plan.split_inline and plan.kernel == "portable" and scales is None
-              and split_k > 1 and not fixup)
+    inline = tuning.inlines_splits(plan) and scales is None and split_k > 1 and not fixup
     index_64 = needs_int64_indexing(((M, K, stride_am, stride_ak), (K, N, stride_bk, stride_bn),
                                      (M, N, stride_cm, stride_cn),
                                      (max(split_units, programs) * tile.block_m, tile.block_n,

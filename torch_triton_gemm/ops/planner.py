@@ -85,8 +85,8 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     if plan != _modelled(M, N, K, out.element_size(), a.device, view):
         return None
     return plan_model.eager_plan(plan, M, N, K, 2, out.element_size(),
-                                 _device.supports_tma(a.device), _device.num_sms(a.device),
-                                 *view, copies=sum(pad is not None for pad in pads),
+                                 _device.num_sms(a.device), *view,
+                                 copies=sum(pad is not None for pad in pads),
                                  l2_bytes=_device.l2_cache_bytes(a.device))
 
 
