@@ -1837,15 +1837,15 @@ def test_eager_plans_switch_forgets_memoised_calls_and_needs_a_gpu(monkeypatch, 
 
     monkeypatch.delenv(tuning.EAGER_PLANS_ENV, raising=False)
     monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {("seen",): None})
-    with eager_plans.eager_plans(True):
-        assert tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
-        launcher._EAGER_LAUNCHES[("seen",)] = None
-    assert not tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
-    assert tuning.EAGER_PLANS_ENV not in os.environ
-    monkeypatch.setenv(tuning.EAGER_PLANS_ENV, "1")
     with eager_plans.eager_plans(False):
-        assert not tuning.eager_plans_enabled()
-    assert os.environ[tuning.EAGER_PLANS_ENV] == "1"
+        assert not tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
+        launcher._EAGER_LAUNCHES[("seen",)] = None
+    assert tuning.eager_plans_enabled() and not launcher._EAGER_LAUNCHES
+    assert tuning.EAGER_PLANS_ENV not in os.environ
+    monkeypatch.setenv(tuning.EAGER_PLANS_ENV, "0")
+    with eager_plans.eager_plans(True):
+        assert tuning.eager_plans_enabled()
+    assert os.environ[tuning.EAGER_PLANS_ENV] == "0"
     with pytest.raises(SystemExit) as exit_info:
         eager_plans.main(["--dtypes", "fp8", "--csv", "x.csv"])
     assert exit_info.value.code == 2 and "--dtypes" in capsys.readouterr().err

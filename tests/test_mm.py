@@ -155,20 +155,20 @@ def test_deterministic(device):
     assert torch.equal(tg.mm(a, b), tg.mm(a, b))
 
 
-def test_eager_plans_are_off_unless_asked(monkeypatch):
+def test_eager_plans_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("TORCH_TRITON_GEMM_EAGER_PLANS", raising=False)
-    assert not tuning.eager_plans_enabled()
-    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     assert tuning.eager_plans_enabled()
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "0")
+    assert not tuning.eager_plans_enabled()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(64, 120, 1160), (1536, 1536, 1024)])
 def test_eager_plans_run_one_launch_with_the_bits_of_the_planners(monkeypatch, m, n, k):
-    """With TORCH_TRITON_GEMM_EAGER_PLANS=1, a product whose plan splits K on the portable
-    kernel (a 12-way split and its reduction; a tail split in three launches): later eager
-    calls launch it in one kernel, the first call and a CUDA-graph capture the planner's
-    launches; all give the same bits, right to bf16 precision."""
+    """With eager plans on (the default), a product whose plan splits K on the portable kernel
+    (a 12-way split and its reduction; a tail split in three launches): later eager calls
+    launch it in one kernel, the first call and a CUDA-graph capture the planner's launches;
+    all give the same bits, right to bf16 precision."""
     monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     a = randn((m, k), torch.bfloat16, "cuda")
     b = randn((n, k), torch.bfloat16, "cuda").t()

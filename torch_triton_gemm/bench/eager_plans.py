@@ -1,5 +1,5 @@
-"""Eager plans (``TORCH_TRITON_GEMM_EAGER_PLANS=1``) against the planner's plan, on a GPU: the
-products of a seeded sweep (or mm suites) whose eager plan differs, each timed eager and
+"""Eager plans (on unless ``TORCH_TRITON_GEMM_EAGER_PLANS=0``) against the planner's plan, on a
+GPU: the products of a seeded sweep (or mm suites) whose eager plan differs, each timed eager and
 kernel-only (CUDA-graph replays) next to torch.mm, both settings in one process, alternating.
 
     python -m torch_triton_gemm.bench.eager_plans --seed 2112 --count 300 --csv eager.csv

@@ -150,7 +150,7 @@ def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     out, prepared = memoised_eager_call(signature, _first_eager_call, a, b, bias, activation,
                                         out_dtype)
     if prepared is not None:
-        if prepared.capture is not None:  # (eager plans: TORCH_TRITON_GEMM_EAGER_PLANS=1)
+        if prepared.capture is not None:  # (eager plans, unless TORCH_TRITON_GEMM_EAGER_PLANS=0)
             prepared = eager_or_capture(prepared)
         # A call the override routes with while_compiling="pytorch" goes back to it while its
         # kernels compile (compile_ahead.py).
