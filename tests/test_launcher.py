@@ -192,12 +192,13 @@ def test_eager_calls_launch_the_eager_plan_and_captures_the_planners(recorder, d
     assert launched() == [("mm_kernel", None)]
 
 
-def _kept_whole_and_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                     launcher.PreparedLaunch, launcher.PreparedLaunch]:
-    """CPU operands, an output, and the kept launches of an unsplit and a 2-way split plan."""
-    a = randn((64, 128), torch.float16, "cpu")
-    b = randn((128, 48), torch.float16, "cpu")
-    out = torch.empty((64, 48), dtype=torch.float16)
+def _kept_whole_and_split(device: str = "cpu") -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, launcher.PreparedLaunch,
+        launcher.PreparedLaunch]:
+    """Operands, an output, and the kept launches of an unsplit and a 2-way split plan."""
+    a = randn((64, 128), torch.float16, device)
+    b = randn((128, 48), torch.float16, device)
+    out = torch.empty((64, 48), dtype=torch.float16, device=device)
     tile = tuning.INTERPRETER_TILE
     whole, split = (launcher.kept(launcher.prepare_launch(
         a, b, None, out, "none", False, tuning.MMPlan("portable", tile, split_k=s), None))
@@ -219,13 +220,13 @@ def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
     assert launcher.eager_or_capture(prepared) is split
 
 
-def test_a_capture_launch_run_under_launch_hooks_counts_as_run(monkeypatch):
+def test_a_capture_launch_run_under_launch_hooks_counts_as_run(monkeypatch, device):
     """Under launch hooks (a profiler's) run_kept launches through the JIT and keeps no
     direct launches; the capture launch still counts as run once it ran (its kernels are
     loaded), so later eager calls take the eager launch, as without hooks."""
     monkeypatch.setattr(launcher, "_launch_hooks_set", lambda: True)
     monkeypatch.setattr(launcher, "_capturing", lambda: False)
-    a, b, out, whole, split = _kept_whole_and_split()
+    a, b, out, whole, split = _kept_whole_and_split(device)
     prepared = whole._replace(capture=split)
     assert launcher.eager_or_capture(prepared) is split
     launcher.run_kept(split, a, b, None, out, None, None)
