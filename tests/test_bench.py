@@ -1497,13 +1497,14 @@ def test_plan_picks_tell_cases_of_one_name_apart_and_the_partial_round_rule_off(
     """The mm suites reuse names (Llama-3-8B's qkv at every token count): bench.picks
     --against and bench.plans --cases key cases by their sizes too. --whole-rounds plans with
     plan_model.partial_round off (the other arm of its A/B), in that call only: against it,
-    the rule moves Llama's qkv at 512 tokens alone, onto one round of 128x256 TMA tiles."""
+    the rule moves Llama's qkv at 512 tokens alone, onto one round of 128x256 TMA tiles (with
+    the tail split's charge off in both arms: that charge alone moves it there too)."""
     from torch_triton_gemm import plan_model
     from torch_triton_gemm.bench import picks, plans
 
     whole, moved = str(tmp_path / "whole.csv"), str(tmp_path / "moved.csv")
     rule = plan_model.PARTIAL_ROUND
-    argv = ["--suites", "llama", "--dtypes", "bf16"]
+    argv = ["--suites", "llama", "--dtypes", "bf16", "--no-tail-reduction"]
     assert picks.main([*argv, "--whole-rounds", "--csv", whole]) == 0
     assert plan_model.PARTIAL_ROUND == rule
     assert picks.main([*argv, "--csv", moved, "--against", whole]) == 0
@@ -1513,6 +1514,28 @@ def test_plan_picks_tell_cases_of_one_name_apart_and_the_partial_round_rule_off(
         ("qkv", "512", "tma:128x256x64w8s3:sk1")]
     assert changes[0]["plan_before"] != changes[0]["plan"]
     assert plans.listed_cases(moved) == {("qkv", 512, 6144, 4096, "bf16")}
+
+
+def test_plan_picks_with_the_tail_reduction_charge_off(tmp_path):
+    """--no-tail-reduction plans as if a tail split's reduction cost only its launch (the other
+    arm of that charge's A/B), in that call only: against it, the charge moves the drop-in
+    model's 8192 x 2752 x 1024 products alone, off 128x256 tail splits onto the same tiles
+    unsplit."""
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks
+
+    off, moved = str(tmp_path / "off.csv"), str(tmp_path / "moved.csv")
+    charge = plan_model.TAIL_REDUCTION_BYTES
+    argv = ["--suites", "training,llama", "--dtypes", "bf16"]
+    assert picks.main([*argv, "--no-tail-reduction", "--csv", off]) == 0
+    assert plan_model.TAIL_REDUCTION_BYTES == charge > 0
+    assert picks.main([*argv, "--csv", moved, "--against", off]) == 0
+    with open(moved, newline="") as file:
+        changes = list(csv.DictReader(file))
+    assert [(r["name"], r["M"], r["N"], r["K"], r["plan_before"], r["plan"])
+            for r in changes] == [
+        (name, "8192", "2752", "1024", "tma:128x256x64w8s3:sk3T", "tma:128x256x64w8s3:sk1")
+        for name in ("dropin gate", "dropin down")]
 
 
 def test_plan_picks_with_the_l2_limit_off(tmp_path):

@@ -323,6 +323,40 @@ def partial_round(plan: tuning.MMPlan, work: Work, num_sms: int) -> float:
     return min(1.0, floor + slope * work.busy / num_sms)
 
 
+# The share of a tail split's reduction bytes that its time is charged, at the memory's
+# bandwidth (tail_reduction_us; 0: only the reduction's launch, as for other splits).
+TAIL_REDUCTION_BYTES = 1.0
+
+
+def tail_reduction_us(plan: tuning.MMPlan, m: int, n: int, k: int, out_size: int,
+                      machine: Machine) -> float:
+    """What the reduction of a TMA ``plan``'s tail split (``split_tail``: the last, partial
+    round of tiles split along K after the whole tiles) costs beyond its launch: it reads every
+    split's fp32 partial of those tiles and writes them, at the memory's bandwidth. 0 for
+    other plans.
+
+    A tail split of large tiles on a short K reads a wave of fp32 partials back: on an H200,
+    8192 x 2752 x 1024 (the drop-in model's gate projection) took 86.6 us on 128x256 tiles
+    with a 3-way tail split, the planner's pick before this charge, and 75.2 unsplit
+    (docs/data/plans-h200-training.csv). Judged on every plan sweep in docs/data (bench.fit's
+    check), this charge moved 8 picks, 1.08x faster in geomean: 6 faster (1536^3 1.22x,
+    1500^3 and 2047 x 2049 x 2051 1.18x, 445 x 13584 x 15984 1.26x), 2 slower onto full K
+    splits (391 x 6080 x 7568 0.79x, 512 x 4864 x 8192 0.84x). Charging every split's bytes
+    moved 61 picks, 19 slower (to 0.80x), 1.05x; charging portable tail splits too took
+    products off the co-resident portable tiles that ran them fastest (``best_plan`` re-costs
+    those only where a portable plan is the least: Llama-3-8B's qkv at 256 tokens)."""
+    if not (plan.kernel == "tma" and plan.split_tail and TAIL_REDUCTION_BYTES):
+        return 0.0
+    tile = plan.tile
+    tiles = tuning.output_tiles(m, n, tile)
+    split, _ = tuning.effective_split(k, tile.block_k, plan.split_k)
+    whole, split = tuning.split_tiles(tiles, split, True, machine.num_sms)
+    if split <= 1:
+        return 0.0
+    partials = (tiles - whole) * tile.block_m * tile.block_n
+    return TAIL_REDUCTION_BYTES * partials * (split * 4 + out_size) / machine.bytes_per_us
+
+
 def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, aligned: bool = True, narrow: bool = False,
                a_m_contiguous: bool = False, pitch_vector: int = 0, *,
@@ -352,7 +386,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
         launch *= SINGLE_ROUND_LAUNCH.get(kernel, 1.0)
     time = launch + max(compute, bytes_moved / bandwidth)
     if work.reduce:
-        time += costs.launch_us["reduce"]
+        time += costs.launch_us["reduce"] + tail_reduction_us(plan, m, n, k, out_size, machine)
     if work.fixup_bytes:
         # The counter's round trip and the finishing programs' reads of the partials (from L2,
         # all of a tile's at once: a rate of their own).

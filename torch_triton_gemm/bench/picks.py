@@ -144,12 +144,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-l2-limit", action="store_true",
                         help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
                              "off), as bench.plans --no-l2-limit times it")
+    parser.add_argument("--no-tail-reduction", action="store_true",
+                        help="plan as if a tail split's reduction cost only its launch "
+                             "(plan_model.tail_reduction_us off), as bench.plans "
+                             "--no-tail-reduction times it")
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
     rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
     l2 = 0 if args.no_l2_limit else plan_model.L2_BYTES_PER_US
+    tail = 0 if args.no_tail_reduction else plan_model.TAIL_REDUCTION_BYTES
     with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds), \
-            mock.patch.object(plan_model, "L2_BYTES_PER_US", l2):
+            mock.patch.object(plan_model, "L2_BYTES_PER_US", l2), \
+            mock.patch.object(plan_model, "TAIL_REDUCTION_BYTES", tail):
         rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:

@@ -470,6 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-l2-limit", action="store_true",
                         help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
                              "off): with --chosen-only, the other arm of its A/B")
+    parser.add_argument("--no-tail-reduction", action="store_true",
+                        help="plan as if a tail split's reduction cost only its launch "
+                             "(plan_model.tail_reduction_us off): with --chosen-only, the "
+                             "other arm of its A/B")
     parser.add_argument("--fixup-ab", action="store_true",
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
@@ -486,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan_model.PARTIAL_ROUND = plan_model.WHOLE_ROUNDS
     if args.no_l2_limit:
         plan_model.L2_BYTES_PER_US = 0
+    if args.no_tail_reduction:
+        plan_model.TAIL_REDUCTION_BYTES = 0
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
