@@ -344,7 +344,11 @@ def tail_reduction_us(plan: tuning.MMPlan, m: int, n: int, k: int, out_size: int
     splits (391 x 6080 x 7568 0.79x, 512 x 4864 x 8192 0.84x). Charging every split's bytes
     moved 61 picks, 19 slower (to 0.80x), 1.05x; charging portable tail splits too took
     products off the co-resident portable tiles that ran them fastest (``best_plan`` re-costs
-    those only where a portable plan is the least: Llama-3-8B's qkv at 256 tokens)."""
+    those only where a portable plan is the least: Llama-3-8B's qkv at 256 tokens). Held out
+    on an H200 (docs/data/tail-reduction-ab-h200-seed2122-*.csv: the 16 bf16 products of seed
+    2122's sweeps and the named suites whose pick it moves, each arm twice, alternating): 1.12x
+    faster in geomean, 13 faster (1408 x 3968 x 1152 38.0 -> 24.4 us), 2 slower (166 x 23568 x
+    15104 0.82x, 292 x 15376 x 5496 0.85x, both onto other tail splits)."""
     if not (plan.kernel == "tma" and plan.split_tail and TAIL_REDUCTION_BYTES):
         return 0.0
     tile = plan.tile
