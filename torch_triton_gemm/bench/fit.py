@@ -204,6 +204,9 @@ def fit(rows: Sequence[Timed], num_sms: int,
     cache = (plan_model.H100_COSTS if fixed is None else fixed).machine.l2_bytes
     l2 = np.array([plan_model.l2_us(r.plan, r.m, r.n, r.k, r.element_size, cache)  # (not fitted)
                    for r in rows])
+    machine = (plan_model.H100_COSTS if fixed is None else fixed).machine
+    tail = np.array([plan_model.tail_reduction_us(r.plan, r.m, r.n, r.k,  # (not fitted)
+                                                  r.element_size, machine) for r in rows])
     power = plan_model.L2_LIMIT_POWER
     fixup = (fixup_bytes > 0).astype(float)
     measured = np.log([r.us for r in rows])
@@ -231,7 +234,7 @@ def fit(rows: Sequence[Timed], num_sms: int,
             launch = launch * np.where(before > 0, factors[era], 1.0)
         compute = (steps * step + tiles * per) * partial + exchanges * g[2]
         bandwidth = np.minimum(g[3], busy * g[4])
-        time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0]
+        time = launch + np.maximum(compute, moved / bandwidth) + reduce * g[0] + tail
         time += fixup * g[5] + fixup_bytes / 1024 * g[6]
         time += copied * (g[1] + 2 * operand / g[3])
         return np.where(l2 > 0, (time ** power + l2 ** power) ** (1 / power), time)
