@@ -92,6 +92,21 @@ def test_plan_space_keeps_one_row_bands_and_wide_portable_tiles_where_they_serve
     assert any(p.kernel == "portable" and p.tile.block_n > 128 for p in unaligned)
 
 
+def test_one_row_bands_serve_where_no_other_tile_suits(h100):
+    """17-32 rows against at most 16 columns: the only tile that suits is 16x16, in one-row
+    bands; the space keeps it (it was empty, and the heuristic's 32x64 tiles took 30 x 8 x
+    1339 in 17.2 us on an H200 against cuBLAS's 6.8) and the model picks it. Where a banded
+    tile suits, one-row bands stay out."""
+    for m, n, k in ((30, 8, 1339), (20, 8, 960), (17, 16, 14200)):
+        space = list(tuning.plan_space(m, n, k, 2, True, 132, False))
+        assert space and {(p.tile.block_m, p.tile.block_n, p.tile.group_m) for p in space} == {
+            (16, 16, 1)}
+        plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, False, True)
+        assert plan is not None and plan.tile.block_n == 16
+    assert all(p.tile.group_m > 1 or p.tile.block_m >= 48
+               for p in tuning.plan_space(48, 64, 1339, 2, True, 132))
+
+
 def test_the_wide_plan_space_adds_what_the_size_and_width_rules_leave_out(h100):
     """The plan sweep's --wide-space: a superset of the planner's space that also holds the
     tiles its rules leave out (32 columns on a 64-wide output, 128-row tiles on the portable

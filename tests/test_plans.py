@@ -434,6 +434,18 @@ def test_k_zero_on_a_split_plan_gives_the_epilogue_of_bias(device):
     assert rel_error(out, reference(a, b, bias, "silu")) <= 1e-2
 
 
+@pytest.mark.parametrize("m, n, k, split", [(30, 8, 1339, 6), (20, 8, 960, 1)])
+def test_one_row_bands_of_16x16_tiles_cover_several_tile_rows(device, m, n, k, split):
+    """The plan the model now picks for 17-32 rows against 8 columns: 16x16 tiles in one-row
+    bands (GROUP_M = 1) over two tile rows, K split or not, odd K pitches included."""
+    plan = tuning.MMPlan("portable", tuning.TileConfig(16, 16, 256, 1, 4, 4), split_k=split)
+    a, b = randn((m, k), torch.float16, device), randn((n, k), torch.float16, device).t()
+    with tuning.force_plan(plan):
+        out = tg.mm(a, b)
+    assert rel_error(out, reference(a, b, None, "none")) <= tolerance(torch.float16,
+                                                                       torch.float16)
+
+
 def test_force_plan_reaches_the_public_function(device):
     a = randn((9, 64), torch.float16, device)
     b = randn((64, 16), torch.float16, device)
