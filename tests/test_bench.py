@@ -1493,23 +1493,33 @@ def test_plan_picks_on_any_host_are_the_plan_models_and_find_what_a_change_moves
                                          for key in expected}
 
 
+def _picks_moved_by_a_rule(tmp_path, argv: list[str], off_flag: str,
+                           constant: str) -> tuple[list[dict[str, str]], str]:
+    """bench.picks with a rule off (``off_flag``), then on against it: the changed rows and the
+    path of their CSV. The plan model's ``constant`` is as it was after the first call."""
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks
+
+    off, moved = str(tmp_path / "off.csv"), str(tmp_path / "moved.csv")
+    before = getattr(plan_model, constant)
+    assert picks.main([*argv, off_flag, "--csv", off]) == 0
+    assert getattr(plan_model, constant) == before and before
+    assert picks.main([*argv, "--csv", moved, "--against", off]) == 0
+    with open(moved, newline="") as file:
+        return list(csv.DictReader(file)), moved
+
+
 def test_plan_picks_tell_cases_of_one_name_apart_and_the_partial_round_rule_off(tmp_path):
     """The mm suites reuse names (Llama-3-8B's qkv at every token count): bench.picks
     --against and bench.plans --cases key cases by their sizes too. --whole-rounds plans with
     plan_model.partial_round off (the other arm of its A/B), in that call only: against it,
     the rule moves Llama's qkv at 512 tokens alone, onto one round of 128x256 TMA tiles (with
     the tail split's charge off in both arms: that charge alone moves it there too)."""
-    from torch_triton_gemm import plan_model
-    from torch_triton_gemm.bench import picks, plans
+    from torch_triton_gemm.bench import plans
 
-    whole, moved = str(tmp_path / "whole.csv"), str(tmp_path / "moved.csv")
-    rule = plan_model.PARTIAL_ROUND
-    argv = ["--suites", "llama", "--dtypes", "bf16", "--no-tail-reduction"]
-    assert picks.main([*argv, "--whole-rounds", "--csv", whole]) == 0
-    assert plan_model.PARTIAL_ROUND == rule
-    assert picks.main([*argv, "--csv", moved, "--against", whole]) == 0
-    with open(moved, newline="") as file:
-        changes = list(csv.DictReader(file))
+    changes, moved = _picks_moved_by_a_rule(
+        tmp_path, ["--suites", "llama", "--dtypes", "bf16", "--no-tail-reduction"],
+        "--whole-rounds", "PARTIAL_ROUND")
     assert [(r["name"], r["M"], r["plan"]) for r in changes] == [
         ("qkv", "512", "tma:128x256x64w8s3:sk1")]
     assert changes[0]["plan_before"] != changes[0]["plan"]
@@ -1521,17 +1531,9 @@ def test_plan_picks_with_the_tail_reduction_charge_off(tmp_path):
     arm of that charge's A/B), in that call only: against it, the charge moves the drop-in
     model's 8192 x 2752 x 1024 products alone, off 128x256 tail splits onto the same tiles
     unsplit."""
-    from torch_triton_gemm import plan_model
-    from torch_triton_gemm.bench import picks
-
-    off, moved = str(tmp_path / "off.csv"), str(tmp_path / "moved.csv")
-    charge = plan_model.TAIL_REDUCTION_BYTES
-    argv = ["--suites", "training,llama", "--dtypes", "bf16"]
-    assert picks.main([*argv, "--no-tail-reduction", "--csv", off]) == 0
-    assert plan_model.TAIL_REDUCTION_BYTES == charge > 0
-    assert picks.main([*argv, "--csv", moved, "--against", off]) == 0
-    with open(moved, newline="") as file:
-        changes = list(csv.DictReader(file))
+    changes, _ = _picks_moved_by_a_rule(
+        tmp_path, ["--suites", "training,llama", "--dtypes", "bf16"], "--no-tail-reduction",
+        "TAIL_REDUCTION_BYTES")
     assert [(r["name"], r["M"], r["N"], r["K"], r["plan_before"], r["plan"])
             for r in changes] == [
         (name, "8192", "2752", "1024", "tma:128x256x64w8s3:sk3T", "tma:128x256x64w8s3:sk1")
@@ -1542,17 +1544,10 @@ def test_plan_picks_with_the_l2_limit_off(tmp_path):
     """--no-l2-limit plans as if tiles' reads from L2 cost nothing (the other arm of the L2
     limit's A/B), in that call only: against it, the limit moves Llama's gate and up
     projections at 128 tokens alone, off 64x64 tiles."""
-    from torch_triton_gemm import plan_model
-    from torch_triton_gemm.bench import picks, plans
+    from torch_triton_gemm.bench import plans
 
-    off, moved = str(tmp_path / "off.csv"), str(tmp_path / "moved.csv")
-    limit = plan_model.L2_BYTES_PER_US
-    argv = ["--suites", "llama", "--dtypes", "bf16"]
-    assert picks.main([*argv, "--no-l2-limit", "--csv", off]) == 0
-    assert plan_model.L2_BYTES_PER_US == limit > 0
-    assert picks.main([*argv, "--csv", moved, "--against", off]) == 0
-    with open(moved, newline="") as file:
-        changes = list(csv.DictReader(file))
+    changes, moved = _picks_moved_by_a_rule(
+        tmp_path, ["--suites", "llama", "--dtypes", "bf16"], "--no-l2-limit", "L2_BYTES_PER_US")
     assert [(r["name"], r["M"]) for r in changes] == [("gate_up", "128")]
     assert changes[0]["plan_before"].startswith("portable:64x64x")
     assert not changes[0]["plan"].startswith("portable:64x64x")
