@@ -1158,6 +1158,41 @@ def test_an_interrupted_run_keeps_the_rows_measured_before_it(how, fresh_stop, c
     assert ran == [] and measured == [1]
 
 
+def test_each_measured_row_reaches_the_csvs_at_once(tmp_path, fresh_stop, monkeypatch):
+    """The command line's row writer (timing.ON_ROW) rewrites --csv and --out's results.csv
+    after every row, so a run killed outright, past its SIGTERM handler, still leaves what it
+    measured; results without CSV fields are passed over and no partial file stays."""
+    import argparse
+
+    class Measured:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def record(self) -> dict[str, object]:
+            return {"name": self.name, "ratio": 1.5}
+
+    args = argparse.Namespace(csv=str(tmp_path / "rows.csv"), out=str(tmp_path / "out"))
+    paths = cli._csv_paths(args)
+    assert paths == [args.csv, str(tmp_path / "out" / "results.csv")]
+    monkeypatch.setattr(timing, "ON_ROW", cli._rows_so_far_writer(paths))
+
+    def names(path: str) -> list[str]:
+        with open(path, newline="") as file:
+            return [r["name"] for r in csv.DictReader(file)]
+
+    def second() -> Measured:
+        assert all(names(path) == ["first"] for path in paths)  # written before this row
+        return Measured("second")
+
+    rows = [timing.Row("first", lambda: Measured("first"), str),
+            timing.Row("plain", lambda: "no fields", str), timing.Row("second", second, str)]
+    assert [getattr(r, "name", r) for r in timing.run_rows(rows)] == [
+        "first", "no fields", "second"]
+    assert all(names(path) == ["first", "second"] for path in paths)
+    assert sorted(os.listdir(tmp_path)) == ["out", "rows.csv"]
+    assert cli._rows_so_far_writer([]) is None
+
+
 def test_a_suite_interrupted_outside_its_rows_stops_the_run(fresh_stop):
     def run() -> None:
         raise KeyboardInterrupt

@@ -331,6 +331,34 @@ def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
     return results
 
 
+def _csv_paths(args: argparse.Namespace) -> list[str]:
+    """The CSV files the run writes: --csv's and --out's results.csv."""
+    paths = [args.csv] if args.csv else []
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        paths.append(os.path.join(args.out, "results.csv"))
+    return paths
+
+
+def _rows_so_far_writer(paths: Sequence[str]) -> Callable[[object], None] | None:
+    """What ``timing.ON_ROW`` calls with each measured row: the CSVs at ``paths`` rewritten
+    with every row measured so far, so that a run killed outright still leaves them (the
+    finished run writes them again, in report order, with the suites that have no rows)."""
+    if not paths:
+        return None
+    measured: list[dict[str, object]] = []
+
+    def write(result: object) -> None:
+        record = getattr(result, "record", None)
+        if record is None:
+            return
+        measured.append(record())
+        for path in paths:
+            report.write_csv(path, measured)
+
+    return write
+
+
 def _write_files(args: argparse.Namespace, header: list[str], results: RunResults) -> None:
     records = results.records()
     if args.csv:
@@ -391,10 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # printed and written. (A run in the same process after an interrupted one starts afresh.)
     timing.STOP.requested = False
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    timing.ON_ROW = _rows_so_far_writer(_csv_paths(args))
     try:
         results = run_suites(args, device)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        timing.ON_ROW = None
     if timing.STOP.requested:
         results.notes.append("interrupted: only the rows measured before the stop are here")
     if args.markdown:

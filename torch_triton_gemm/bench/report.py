@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import math
+import os
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -562,14 +563,17 @@ def groups_section(suite: str, results: Sequence[GemmResult]) -> Section:
 
 def write_csv(path: str, records: Sequence[dict[str, object]]) -> None:
     """Every row, full precision; columns are the union of the rows' fields, in order of first
-    appearance (a field a row lacks is left empty)."""
+    appearance (a field a row lacks is left empty). Written beside ``path`` and moved over it,
+    so that a run stopped while writing leaves the previous file whole."""
     fields: dict[str, None] = {}
     for record in records:
         fields.update(dict.fromkeys(record))
-    with open(path, "w", newline="") as f:
+    partial = f"{path}.partial"
+    with open(partial, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(fields), restval="")
         writer.writeheader()
         writer.writerows(records)
+    os.replace(partial, path)
 
 
 def markdown_report(header: Sequence[str], results: RunResults) -> str:

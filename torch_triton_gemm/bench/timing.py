@@ -370,6 +370,11 @@ class Stop:
 
 STOP = Stop()
 
+# Called with each row's result as soon as it is measured (the command line rewrites its CSV
+# with the rows so far, so that a run killed outright, past any signal handler, still leaves
+# them); None: nothing is called.
+ON_ROW: Callable[[Any], None] | None = None
+
 
 def run_rows(rows: Sequence[Row[R]]) -> list[R]:
     """Measure each row in turn, progress on stderr. A row that raises (out of memory, a
@@ -396,6 +401,8 @@ def run_rows(rows: Sequence[Row[R]]) -> list[R]:
                 print(f"{time.perf_counter() - start:.1f} s{tuning}", file=sys.stderr,
                       flush=True)
             results.append(result)
+            if ON_ROW is not None:
+                ON_ROW(result)
             # Give the cached blocks back so that large shapes do not stack up.
             torch.cuda.empty_cache()
     except KeyboardInterrupt:
