@@ -546,6 +546,31 @@ def test_list_shows_the_sweep_of_a_seed(capsys):
     assert f"row pad {padded.a_pad}" in capsys.readouterr().out
 
 
+def test_a_shard_runs_every_nth_case_of_the_mm_suites(capsys):
+    """--shard I/N keeps every N-th case of each mm suite from the I-th, so N processes on N
+    GPUs cover the suite once between them; a share outside 1..N is refused."""
+    cases = suites.sweep_cases(3, 20)
+    seen = []
+    for index in (1, 2, 3):
+        assert cli.main(["--list", "--suite", "sweep,square", "--count", "20", "--seed", "3",
+                         "--shard", f"{index}/3"]) == 0
+        listed = [line.split() for line in capsys.readouterr().out.splitlines()]
+        share, square_share = cases[index - 1::3], suites.suite_cases("square")[index - 1::3]
+        counts = {cells[0]: cells[1] for cells in listed if cells[2:3] == ["bf16,fp16"]}
+        assert (counts["sweep"], counts["square"]) == (str(len(share)), str(len(square_share)))
+        names = [cells[2] for cells in listed
+                 if cells[:1] == ["sweep"] and cells[2:3] != ["bf16,fp16"]]
+        assert names == [c.name.split()[0] for c in share]
+        seen += names
+        squares = [cells[1] for cells in listed
+                   if cells[:1] == ["square"] and cells[2:3] != ["bf16,fp16"]]
+        assert squares == [c.name for c in square_share]
+    assert sorted(seen) == sorted(c.name.split()[0] for c in cases)
+    for bad in ("0/3", "4/3", "2", "a/b"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--shard", bad])
+
+
 def test_list_with_suites_shows_their_shapes(capsys):
     assert cli.main(["--list", "--quick", "--suite", "decode,grouped,scaled"]) == 0
     out = capsys.readouterr().out

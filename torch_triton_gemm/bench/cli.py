@@ -70,6 +70,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """--shard's I/N: the I-th of N shares (1 <= I <= N)."""
+    index, _, count = text.partition("/")
+    try:
+        share = (int(index), int(count))
+    except ValueError:
+        share = (0, 0)
+    if not 1 <= share[0] <= share[1]:
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N, got {text}")
+    return share
+
+
 def _suite_help() -> str:
     lines = ["suites (default: every one but grouped, scaled, sgrouped, moe, classes and sweep):"]
     lines += [f"  {name:<10} {suites.SUITE_DESCRIPTIONS[name]}" for name in suites.ALL_SUITES]
@@ -118,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"shapes in the sweep (default: {suites.SWEEP_COUNT}; with "
                              f"--quick: {suites.QUICK_SWEEP_COUNT}); a larger count keeps the "
                              "smaller one's shapes first")
+    parser.add_argument("--shard", type=_shard, default=(1, 1), metavar="I/N",
+                        help="only every N-th case of each mm suite, from the I-th (1/2 and 2/2 "
+                             "split a run between two GPUs, each its own process with "
+                             "CUDA_VISIBLE_DEVICES); the other suites run whole")
     parser.add_argument("--inductor", action="store_true",
                         help="also time torch.mm compiled by Inductor with Triton GEMM templates "
                              "only (max-autotune) in the mm suites; slow: a compile per shape")
@@ -159,12 +175,14 @@ def settings_from(args: argparse.Namespace) -> TimingSettings:
 # --- --list -------------------------------------------------------------------------------------
 
 def list_text(args: argparse.Namespace) -> str:
-    """The suites with their row counts (for the current --quick and --dtypes), which of them
-    would run, and with --suite the shapes of the selected suites."""
+    """The suites with their row counts (for the current --quick, --dtypes and --shard), which
+    of them would run, and with --suite the shapes of the selected suites."""
     rows = []
     total = 0
     for name in suites.ALL_SUITES:
         count = suites.suite_row_count(name, args.quick, args.count)
+        if name in (*suites.MM_SUITES, *suites.PLANNER_SUITES):  # the sharded suites
+            count = len(range(args.shard[0] - 1, count, args.shard[1]))
         # The latency suite also times the fp8 scaled_mm path, whatever --dtypes says.
         extra = ("fp8",) if name == "latency" else ()
         dtypes = (",".join((*args.dtypes, *extra)) if suites.per_dtype(name)
@@ -183,10 +201,16 @@ def list_text(args: argparse.Namespace) -> str:
     return "\n".join(parts)
 
 
+def _mm_cases(args: argparse.Namespace, suite: str) -> list[suites.Case]:
+    """The cases of an mm suite this run measures: --shard's share."""
+    index, count = args.shard
+    return suites.suite_cases(suite, args.quick, seed=args.seed, count=args.count)[
+        index - 1::count]
+
+
 def _cases_text(args: argparse.Namespace) -> str:
     parts = []
-    cases = [c for s in args.suite if suites.per_dtype(s)
-             for c in suites.suite_cases(s, args.quick, seed=args.seed, count=args.count)]
+    cases = [c for s in args.suite if suites.per_dtype(s) for c in _mm_cases(args, s)]
     if cases:
         # The class column only where a listed suite has classes (the planner suites).
         classes = any(c.shape_class for c in cases)
@@ -284,7 +308,7 @@ def run_suites(args: argparse.Namespace, device: torch.device) -> RunResults:
     printed: set[str] = set()
 
     def run_mm_suite(suite: str) -> None:
-        cases = suites.suite_cases(suite, args.quick, seed=args.seed, count=args.count)
+        cases = _mm_cases(args, suite)
         _run_suite(results, suite, lambda: results.mm.extend(
             gemm.run_mm(cases, args.dtypes, settings, device, args.inductor)))
         _print_new_sections(results, printed)
