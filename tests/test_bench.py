@@ -1600,6 +1600,20 @@ def test_plan_picks_with_the_tail_reduction_charge_off(tmp_path):
         for name in ("dropin gate", "dropin down")]
 
 
+def test_plan_picks_with_the_narrow_overlap_rule_off(tmp_path):
+    """--no-narrow-overlap plans as if K splits loading element by element charged every round
+    in full (the other arm of plan_model.narrow_overlap's A/B), in that call only: against it,
+    the rule moves seed 2118's 24 x 3896 x 10461 (0.60x cuBLAS on an H200) onto twice the
+    splits, among products whose pitches no copy fits only."""
+    changes, _ = _picks_moved_by_a_rule(
+        tmp_path, ["--suites", "sweep", "--seed", "2118", "--count", "400", "--dtypes", "bf16"],
+        "--no-narrow-overlap", "NARROW_OVERLAP_ROUND")
+    moved = {r["name"]: (r["plan_before"], r["plan"]) for r in changes}
+    assert moved["24x3896x10461"] == ("portable:32x64x128w4s4:sk2", "portable:32x64x128w4s4:sk4")
+    assert all(r["narrow"] == "True" and r["pitch_vector"] == "0" for r in changes)
+    assert all(r["plan"].startswith("portable:") for r in changes)
+
+
 def test_plan_picks_with_the_l2_limit_off(tmp_path):
     """--no-l2-limit plans as if tiles' reads from L2 cost nothing (the other arm of the L2
     limit's A/B), in that call only: against it, the limit moves Llama's gate and up

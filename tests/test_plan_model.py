@@ -640,6 +640,61 @@ def test_wide_weights_at_mid_rows_leave_64x64_tiles(h100, monkeypatch):
     assert (plan.tile.block_m, plan.tile.block_n) == (64, 64)
 
 
+def test_split_programs_loading_element_by_element_overlap_on_their_sm(h100, monkeypatch):
+    """K splits of the portable kernel along pitches no copy fits (every load one element):
+    two rounds of 32x64x128 programs on the busiest SM (both fit its shared memory) cost
+    1 + NARROW_OVERLAP_ROUND of a round; one round, more rounds than fit, pitches copied in
+    vectors, other cost kernels, unsplit programs and short K loops keep the whole charge.
+    The picks of two products an H200 ran at 0.60x and 0.64x cuBLAS move onto the splits that
+    ran 1.65x and 1.46x faster, and back with the rule off."""
+    tile = tuning.TileConfig(32, 64, 128, 1, 4, 4)
+    split = tuning.MMPlan("portable", tile, split_k=4)
+    rounds = plan_model.Work(steps=2 * 21, tiles=2, exchanges=0.0, busy=132, reduce=True,
+                             extra_bytes=0.0)
+    half = plan_model.NARROW_OVERLAP_ROUND
+    assert 0 < half < 1
+    overlap = plan_model.narrow_overlap
+    assert overlap(split, rounds, "portable-narrow", 0, 2) == pytest.approx((1 + half) / 2)
+    three = dataclasses.replace(rounds, steps=3 * 21, tiles=3)  # two fit an SM
+    short = dataclasses.replace(rounds, steps=2 * 3)
+    one = dataclasses.replace(rounds, steps=21, tiles=1)
+    assert overlap(split, three, "portable-narrow", 0, 2) == 1.0
+    assert overlap(split, short, "portable-narrow", 0, 2) == 1.0
+    assert overlap(split, one, "portable-narrow", 0, 2) == 1.0
+    assert overlap(split, rounds, "portable-narrow", 4, 2) == 1.0
+    assert overlap(split, rounds, "portable-narrow-vector", 4, 2) == 1.0
+    assert overlap(split, rounds, "portable", 16, 2) == 1.0
+    assert overlap(dataclasses.replace(split, split_k=1), rounds, "portable-narrow", 0, 2) == 1.0
+
+    def pick(m: int, n: int, k: int) -> tuple[int, int]:
+        plan = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, False, True, False, 0)
+        return plan.tile.block_m, plan.split_k
+
+    assert pick(24, 3896, 10461) == (32, 4)
+    assert pick(18, 2571, 4481) == (32, 6)
+    monkeypatch.setattr(plan_model, "NARROW_OVERLAP_ROUND", 1.0)
+    assert pick(24, 3896, 10461) == (32, 2)
+    assert pick(18, 2571, 4481) == (32, 3)
+
+
+def test_the_narrow_overlap_rule_raises_the_picks_on_the_narrow_plan_sweeps(monkeypatch):
+    """bench.fit's check over every plan sweep: with the rule the picks are at least as fast
+    in geomean over them all, and faster on the narrow-pitch sweeps it moves most."""
+    import glob
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(DATA), "plans-h*.csv")))
+    narrow = [p for p in paths if "narrow" in os.path.basename(p)]
+    assert len(narrow) >= 3
+    rows = fit.read(paths)
+    with_rule = fit.check(plan_model.H100_COSTS, rows)["geomean"]
+    on_narrow = [fit.check(plan_model.H100_COSTS, fit.read([p]))["geomean"] for p in narrow]
+    monkeypatch.setattr(plan_model, "NARROW_OVERLAP_ROUND", 1.0)
+    assert with_rule >= fit.check(plan_model.H100_COSTS, rows)["geomean"]
+    off_narrow = [fit.check(plan_model.H100_COSTS, fit.read([p]))["geomean"] for p in narrow]
+    assert all(a >= b for a, b in zip(on_narrow, off_narrow))
+    assert _geomean(on_narrow) > 1.01 * _geomean(off_narrow)
+
+
 def test_a_tail_splits_reduction_is_charged_its_bytes_on_the_tma_kernel_only(h100, monkeypatch):
     """A 3-way tail split of 128x256 tiles on 8192 x 2752 x 1024: 44 tiles' fp32 partials
     (three each) read and the tiles written back, at the memory's bandwidth; the same plan

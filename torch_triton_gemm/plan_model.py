@@ -219,6 +219,53 @@ def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) 
     return rounds if rounds > fit else 1 + (rounds - 1) * CO_RESIDENT_ROUND
 
 
+
+# K splits of the portable kernel loading element by element: what each more program sharing
+# an SM adds to the time of one (narrow_overlap; 1.0: a whole round, as the constants charge),
+# where its programs take at least this many K steps each.
+NARROW_OVERLAP_ROUND = 0.5
+NARROW_OVERLAP_STEPS = 4
+
+
+def narrow_overlap(plan: tuning.MMPlan, work: Work, kernel: str, pitch_vector: int,
+                   element_size: int) -> float:
+    """What ``work``'s compute costs, as a fraction of the constants' charge, where ``plan``
+    splits K on the portable kernel along a pitch no copy fits (``kernel`` 'portable-narrow'
+    with no ``pitch_vector``: every load one element) and the rounds of split programs on the
+    busiest SM fit its shared memory at once: each such program waits on its loads in turn,
+    so the programs sharing an SM overlap, each more one adding NARROW_OVERLAP_ROUND of a
+    round. 1 elsewhere.
+
+    The constants charge every round in full, so such products took few splits: on an H200,
+    24 x 3896 x 10461 bf16 split 2 ways on 32x64 tiles ran 147 us, 4 ways (two programs an
+    SM) 90.5, cuBLAS 90.0; 18 x 2571 x 4481 47 us split 3 ways, 33 split 6 ways
+    (docs/data/plans-h200-narrow-worst-seed2118.csv). Judged on every plan sweep in docs/data
+    (bench.fit's check), this rule moved 13 picks, 1.46x faster in geomean (3456 x 64 x 16139
+    on an H100: 174 -> 96 us), one slower (64 x 4520 x 10516: 172 -> 202 us, TMA onto a 6-way
+    split); at 0.6 a round the same, at 0.4 16 picks, 1.34x (4 slower). Without the floor on
+    K steps it moved 15, 1.38x: short loops too, slower (960 x 1 x 3080: 7.3 -> 8.2 us).
+    Unsplit rounds (co_resident_rounds' case, for plain pitches) keep the constants' charge;
+    so do pitches the kernel copies in vectors.
+
+    Held out on an H200 (sweep seeds 2124-2131, the 29 bf16 products whose pick it moves,
+    each arm twice, alternating; docs/data/narrow-overlap-ab-h200-seed2118-2124-2131.csv):
+    1.19x faster in geomean, 21 faster by more than 5% (64 x 2752 x 15488: 88.0 -> 52.1 us),
+    4 slower, all unsplit picks split on short K loops (64 x 4808 x 663: 11.5 -> 14.3 us, 3
+    ways; 4-8 K steps a program). On seed 2118's 6: 1.10x (5656 x 62 x 5443 with a
+    column-major A 0.64x, onto 2 splits from 4: three rounds of two co-resident programs
+    overlap too, which this rule leaves uncharged; 448 x 256 x 8077 0.80x, off a padded TMA
+    split)."""
+    rounds = work.tiles
+    if (kernel != "portable-narrow" or pitch_vector or plan.split_k <= 1 or rounds < 2
+            or work.steps < NARROW_OVERLAP_STEPS * rounds or NARROW_OVERLAP_ROUND >= 1.0):
+        return 1.0
+    fit = SM_SHARED_BYTES // (tuning.shared_memory_bytes(plan.tile, element_size)
+                              + PROGRAM_RESERVED_BYTES)
+    if rounds > fit:
+        return 1.0
+    return (1 + (rounds - 1) * NARROW_OVERLAP_ROUND) / rounds
+
+
 # What the L2 cache serves the SMs, bytes per microsecond, and how sharply that limit takes
 # over from the rest of a plan's time where they come close (see l2_us; 0: no limit).
 L2_BYTES_PER_US = 1.3e7
@@ -380,7 +427,8 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
         work = dataclasses.replace(work, steps=work.steps * rounds / work.tiles, tiles=rounds)
     cost = tile_cost(costs, kernel, plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
-    compute *= partial_round(plan, work, machine.num_sms)
+    compute *= partial_round(plan, work, machine.num_sms) * narrow_overlap(
+        plan, work, kernel, pitch_vector, element_size)
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes

@@ -140,12 +140,14 @@ def pitch_vector_row(r: Mapping[str, Any]) -> int:
                                    r.get("pitch_hints") == "True")
 
 
+def _cost_kernel(r: Timed) -> str:
+    return plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
+                                  plan_model.one_step(r.plan, r.k, r.element_size),
+                                  r.pitch_vector)
+
+
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
-    return plan_model._tile_key(
-        plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
-                               plan_model.one_step(r.plan, r.k, r.element_size),
-                               r.pitch_vector),
-        r.plan.tile)
+    return plan_model._tile_key(_cost_kernel(r), r.plan.tile)
 
 
 def _tile_keys(rows: Sequence[Timed]) -> list[tuple[str, int, int, int, int]]:
@@ -200,6 +202,8 @@ def fit(rows: Sequence[Timed], num_sms: int,
     copied = np.array([r.plan.kernel == "tma" and not r.aligned for r in rows], dtype=float)
     fixup_bytes = np.array([w.fixup_bytes for w in works])
     partial = np.array([plan_model.partial_round(r.plan, w, num_sms)  # (not fitted)
+                        * plan_model.narrow_overlap(r.plan, w, _cost_kernel(r), r.pitch_vector,
+                                                    r.element_size)
                         for r, w in zip(rows, works)])
     cache = (plan_model.H100_COSTS if fixed is None else fixed).machine.l2_bytes
     l2 = np.array([plan_model.l2_us(r.plan, r.m, r.n, r.k, r.element_size, cache)  # (not fitted)

@@ -148,14 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan as if a tail split's reduction cost only its launch "
                              "(plan_model.tail_reduction_us off), as bench.plans "
                              "--no-tail-reduction times it")
+    parser.add_argument("--no-narrow-overlap", action="store_true",
+                        help="plan as if K splits loading element by element charged every "
+                             "round of programs on an SM in full (plan_model.narrow_overlap "
+                             "off), as bench.plans --no-narrow-overlap times it")
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
     rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
     l2 = 0 if args.no_l2_limit else plan_model.L2_BYTES_PER_US
     tail = 0 if args.no_tail_reduction else plan_model.TAIL_REDUCTION_BYTES
+    overlap = 1.0 if args.no_narrow_overlap else plan_model.NARROW_OVERLAP_ROUND
     with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds), \
             mock.patch.object(plan_model, "L2_BYTES_PER_US", l2), \
-            mock.patch.object(plan_model, "TAIL_REDUCTION_BYTES", tail):
+            mock.patch.object(plan_model, "TAIL_REDUCTION_BYTES", tail), \
+            mock.patch.object(plan_model, "NARROW_OVERLAP_ROUND", overlap):
         rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:

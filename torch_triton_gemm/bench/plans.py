@@ -474,6 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan as if a tail split's reduction cost only its launch "
                              "(plan_model.tail_reduction_us off): with --chosen-only, the "
                              "other arm of its A/B")
+    parser.add_argument("--no-narrow-overlap", action="store_true",
+                        help="plan as if K splits loading element by element charged every "
+                             "round of programs on an SM in full (plan_model.narrow_overlap "
+                             "off): with --chosen-only, the other arm of its A/B")
     parser.add_argument("--fixup-ab", action="store_true",
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
@@ -492,6 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan_model.L2_BYTES_PER_US = 0
     if args.no_tail_reduction:
         plan_model.TAIL_REDUCTION_BYTES = 0
+    if args.no_narrow_overlap:
+        plan_model.NARROW_OVERLAP_ROUND = 1.0
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
