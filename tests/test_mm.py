@@ -190,6 +190,37 @@ def test_eager_plans_run_one_launch_with_the_bits_of_the_planners(monkeypatch, m
                                                                          torch.bfloat16)
 
 
+@pytest.mark.gpu
+def test_eager_calls_of_a_padded_product_read_its_operands_as_they_are(monkeypatch):
+    """A large product whose pitches TMA cannot describe: the planner's portable plan launches
+    after copying both operands into padded buffers (the first call, CUDA-graph captures),
+    later eager calls the same plan on the operands as they are, in one launch; all give the
+    same bits, right to bf16 precision."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
+    m, n, k = 2944, 896, 109
+    a = randn((m, k), torch.bfloat16, "cuda")
+    b = randn((n, k), torch.bfloat16, "cuda").t()
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    if not tgemm_device.supports_tma(a.device):
+        pytest.skip("no TMA: the launcher pads no operands")
+    plan = planner.plan_mm(a, b, None, out, "none", False)
+    eager = planner.eager_mm_plan(a, b, out, plan)
+    assert plan.kernel == "portable" and plan.pad is None
+    assert eager == dataclasses.replace(plan, pad=False)
+    first = tg.mm(a, b)
+    later = [tg.mm(a, b) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tg.mm(a, b)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (*later, captured):
+        assert torch.equal(got, first)
+    assert rel_error(first, reference(a, b, None, "none")) <= tolerance(torch.bfloat16,
+                                                                         torch.bfloat16)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 def _bad_inputs(device: str):

@@ -490,8 +490,9 @@ def test_one_round_of_tma_programs_on_part_of_the_sms_costs_less_compute(h100):
 
 def test_eager_launches_count_what_the_launcher_launches():
     """eager_launches: one launch for an unsplit plan; a K split adds its reduction (not where
-    its splits finish their tiles), a tail split its whole tiles' own launch; a TMA plan on
-    operands it cannot describe as they are copies both first."""
+    its splits finish their tiles), a tail split its whole tiles' own launch; the operands TMA
+    cannot describe as they are are copied first, on either kernel, unless the plan's pad is
+    False."""
     num_sms = 132
     tile = tuning.TileConfig(64, 128, 64, 8, 4, 4)
     unsplit = tuning.MMPlan("portable", tile)
@@ -509,7 +510,28 @@ def test_eager_launches_count_what_the_launcher_launches():
     assert plan_model.eager_launches(split, 1536, 1536, 64, num_sms) == (1, 0)
     tma = dataclasses.replace(unsplit, kernel="tma")
     assert plan_model.eager_launches(tma, 512, 1304, 471, num_sms, 2) == (1, 2)
-    assert plan_model.eager_launches(unsplit, 512, 1304, 471, num_sms, 2) == (1, 0)
+    assert plan_model.eager_launches(unsplit, 512, 1304, 471, num_sms, 2) == (1, 2)
+    unpadded = dataclasses.replace(unsplit, pad=False)
+    assert plan_model.eager_launches(unpadded, 512, 1304, 471, num_sms, 2) == (1, 0)
+
+
+def test_eager_calls_read_a_large_products_operands_as_they_are_on_the_portable_kernel(h100):
+    """Where the launcher would copy both operands of a large product with odd pitches before
+    the plan model's portable plan, eager calls run the same plan reading them as they are
+    (pad False: one launch, the same tiles and K order), the copies' host time outweighing
+    what they save; without copies, or on a host that issues them cheaply, they keep it."""
+    m, n, k = 2944, 896, 109
+    view = (False, True, False, 0)  # both pitches 109: no TMA, loads element by element
+    picked = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, *view)
+    assert picked.kernel == "portable" and picked.pad is None and picked.split_k == 1
+    eager = plan_model.eager_plan(picked, m, n, k, 2, 2, 132, *view, copies=2)
+    assert eager == dataclasses.replace(picked, pad=False)
+    assert plan_model.eager_launches(picked, m, n, k, 132, 2) == (1, 2)
+    assert plan_model.eager_launches(eager, m, n, k, 132, 2) == (1, 0)
+    assert plan_model.eager_plan(picked, m, n, k, 2, 2, 132, *view) is None
+    fast = plan_model.HostCosts(call_us=2.0, launch_us=0.5, copy_us=0.5)
+    assert plan_model.eager_plan(picked, m, n, k, 2, 2, 132, *view, copies=2,
+                                 host=fast) is None
 
 
 def test_eager_time_is_the_longer_of_the_hosts_and_the_gpus():

@@ -511,8 +511,10 @@ def eager_launches(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int,
                    copies: int = 0) -> tuple[int, int]:
     """(kernel launches, operand copies) of an eager call of ``plan`` on an m x n x k product,
     as the launcher makes them: a tail split launches its whole tiles and its split ones apart,
-    a split without fix-ups its reduction (a portable ``split_inline`` plan: one launch), and a
-    TMA plan first copies the ``copies`` operands it cannot describe as they are."""
+    a split without fix-ups its reduction (a portable ``split_inline`` plan: one launch), and
+    the launcher first copies the ``copies`` operands TMA cannot describe as they are (the
+    padded copies of ``operands.kernel_operands``, which a plan's ``pad`` asks for or, left
+    unset, a large product gets on either kernel; none where ``pad`` is False)."""
     split, _ = tuning.effective_split(k, plan.tile.block_k, plan.split_k)
     if plan.stream_k and plan.kernel == "tma" and split <= 1:
         return 2, 0  # the GEMM and the zeroing of its flags
@@ -521,7 +523,7 @@ def eager_launches(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int,
     launches = 1
     if split > 1 and not tuning.inlines_splits(plan):
         launches += (whole > 0) + (not tuning.fixes_up_splits(plan, split))
-    return launches, copies if plan.kernel == "tma" else 0
+    return launches, 0 if plan.pad is False else copies
 
 
 def eager_us(costs: Costs, host: HostCosts, plan: tuning.MMPlan, m: int, n: int, k: int,
@@ -564,20 +566,33 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     (docs/data/eager-plans-held-out-h200-seed2112.csv), 52 of its 68 moves onto ``picked``'s
     own tile. Splits that finish their tiles themselves (one launch, many programs per tile)
     gained only 1.02x (docs/data/eager-fixup-twin-ab-h100-seed2111.csv): their fix-ups' kernel
-    time ate the host's saving."""
-    if (picked.kernel != "portable" or picked.split_fixup or picked.split_inline
-            or (narrow and not pitch_vector)):
+    time ate the host's saving.
+
+    First, where the launcher would copy ``copies`` operands of a large product for
+    ``picked``'s portable kernel (``picked.pad`` unset): the same plan reading them as they
+    are (``pad`` False: the same tiles and K order, so the same bits; the plan model costs
+    the portable kernel so in any case), by the same margin. On an H200, 2944 x 896 x 109
+    (both pitches 109) took 64 us an eager call, two copies and the GEMM, against 15 in a CUDA
+    graph and torch.mm's 19.6 (docs/data/eager-host-diag-h200-a4852a6.csv); not yet timed."""
+    if picked.kernel != "portable" or picked.split_fixup or picked.split_inline:
         return None
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
     costs = with_machine(H100_COSTS, num_sms, l2_bytes)
-    if eager_launches(picked, m, n, k, num_sms, copies)[0] == 1:
-        return None  # nothing to save: unsplit
-    inline = dataclasses.replace(picked, split_inline=True)
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
-    if eager_us(costs, host, inline, *args) > EAGER_MARGIN * eager_us(costs, host, picked,
+    plan = picked
+    if copies and picked.pad is None:
+        unpadded = dataclasses.replace(picked, pad=False)
+        if eager_us(costs, host, unpadded, *args) <= EAGER_MARGIN * eager_us(costs, host,
+                                                                             picked, *args):
+            plan = unpadded
+    moved = None if plan is picked else plan
+    if (narrow and not pitch_vector) or eager_launches(plan, m, n, k, num_sms, copies)[0] == 1:
+        return moved  # nothing to save: unsplit
+    inline = dataclasses.replace(plan, split_inline=True)
+    if eager_us(costs, host, inline, *args) > EAGER_MARGIN * eager_us(costs, host, plan,
                                                                       *args):
-        return None
+        return moved
     return inline
 
 

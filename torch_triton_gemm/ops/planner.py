@@ -69,9 +69,10 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                   plan: tuning.MMPlan) -> tuning.MMPlan | None:
     """The plan that plain eager calls of a 16-bit product take instead of ``plan`` (the plan
     model's, which CUDA-graph captures of them keep), or None where eager calls take ``plan``
-    too: ``plan``'s portable K split in one launch, with its bits, where the split's extra
-    launches (its reduction, a tail split's whole tiles) cost the host more than they save the
-    GPU (``plan_model.eager_plan``). None with ``TORCH_TRITON_GEMM_EAGER_PLANS=0``
+    too: ``plan``'s portable kernel reading operands as they are where the launcher would
+    copy them first, and its K split in one launch, with its bits, where the copies and the
+    split's extra launches (its reduction, a tail split's whole tiles) cost the host more than
+    they save the GPU (``plan_model.eager_plan``). None with ``TORCH_TRITON_GEMM_EAGER_PLANS=0``
     (``tuning.eager_plans_enabled``), for forced, tuned and transposed plans and off CUDA."""
     (M, K), N = a.shape, b.shape[1]
     if (plan.swap_ab or tuning.forced_plan() is not None or a.device.type != "cuda"
