@@ -219,7 +219,6 @@ def co_resident_rounds(tile: tuning.TileConfig, rounds: int, element_size: int) 
     return rounds if rounds > fit else 1 + (rounds - 1) * CO_RESIDENT_ROUND
 
 
-
 # K splits of the portable kernel loading element by element: what each more program sharing
 # an SM adds to the time of one (narrow_overlap; 1.0: a whole round, as the constants charge),
 # where its programs take at least this many K steps each.
@@ -252,9 +251,9 @@ def narrow_overlap(plan: tuning.MMPlan, work: Work, kernel: str, pitch_vector: i
     1.19x faster in geomean, 21 faster by more than 5% (64 x 2752 x 15488: 88.0 -> 52.1 us),
     4 slower, all unsplit picks split on short K loops (64 x 4808 x 663: 11.5 -> 14.3 us, 3
     ways; 4-8 K steps a program). On seed 2118's 6: 1.10x (5656 x 62 x 5443 with a
-    column-major A 0.64x, onto 2 splits from 4: three rounds of two co-resident programs
-    overlap too, which this rule leaves uncharged; 448 x 256 x 8077 0.80x, off a padded TMA
-    split)."""
+    column-major A 0.64x, onto 2 splits from 4: its three rounds, more than fit an SM at once,
+    keep the full charge here, though two at a time overlap too; 448 x 256 x 8077 0.80x, off
+    a padded TMA split)."""
     rounds = work.tiles
     if (kernel != "portable-narrow" or pitch_vector or plan.split_k <= 1 or rounds < 2
             or work.steps < NARROW_OVERLAP_STEPS * rounds or NARROW_OVERLAP_ROUND >= 1.0):
