@@ -163,50 +163,29 @@ def test_eager_plans_are_on_unless_turned_off(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(64, 120, 1160), (1536, 1536, 1024)])
-def test_eager_plans_run_one_launch_with_the_bits_of_the_planners(monkeypatch, m, n, k):
-    """With eager plans on (the default), a product whose plan splits K on the portable kernel
-    (a 12-way split and its reduction; a tail split in three launches): later eager calls
-    launch it in one kernel, the first call and a CUDA-graph capture the planner's launches;
-    all give the same bits, right to bf16 precision."""
+@pytest.mark.parametrize("m, n, k, moved", [
+    (64, 120, 1160, "inline"), (1536, 1536, 1024, "inline"), (2944, 896, 109, "unpadded")])
+def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatch, m, n, k,
+                                                                       moved):
+    """With eager plans on (the default), later eager calls of a product launch fewer kernels
+    than the planner's plan, which the first call and a CUDA-graph capture launch: a portable
+    K split (12 ways and its reduction; a tail split in three launches) in one kernel
+    ("inline"), and a large product whose pitches TMA cannot describe, which the planner's
+    portable plan reads from padded copies of both operands, on the operands as they are
+    ("unpadded"). All give the same bits, right to bf16 precision."""
     monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     a = randn((m, k), torch.bfloat16, "cuda")
     b = randn((n, k), torch.bfloat16, "cuda").t()
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    plan = planner.plan_mm(a, b, None, out, "none", False)
-    eager = planner.eager_mm_plan(a, b, out, plan)
-    assert plan.split_k > 1 and eager == dataclasses.replace(plan, split_inline=True)
-    first = tg.mm(a, b)
-    later = [tg.mm(a, b) for _ in range(3)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = tg.mm(a, b)
-    captured.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for got in (*later, captured):
-        assert torch.equal(got, first)
-    assert rel_error(first, reference(a, b, None, "none")) <= tolerance(torch.bfloat16,
-                                                                         torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_eager_calls_of_a_padded_product_read_its_operands_as_they_are(monkeypatch):
-    """A large product whose pitches TMA cannot describe: the planner's portable plan launches
-    after copying both operands into padded buffers (the first call, CUDA-graph captures),
-    later eager calls the same plan on the operands as they are, in one launch; all give the
-    same bits, right to bf16 precision."""
-    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
-    m, n, k = 2944, 896, 109
-    a = randn((m, k), torch.bfloat16, "cuda")
-    b = randn((n, k), torch.bfloat16, "cuda").t()
-    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    if not tgemm_device.supports_tma(a.device):
+    if moved == "unpadded" and not tgemm_device.supports_tma(a.device):
         pytest.skip("no TMA: the launcher pads no operands")
     plan = planner.plan_mm(a, b, None, out, "none", False)
     eager = planner.eager_mm_plan(a, b, out, plan)
-    assert plan.kernel == "portable" and plan.pad is None
-    assert eager == dataclasses.replace(plan, pad=False)
+    if moved == "inline":
+        assert plan.split_k > 1 and eager == dataclasses.replace(plan, split_inline=True)
+    else:
+        assert plan.kernel == "portable" and plan.pad is None
+        assert eager == dataclasses.replace(plan, pad=False)
     first = tg.mm(a, b)
     later = [tg.mm(a, b) for _ in range(3)]
     graph = torch.cuda.CUDAGraph()
