@@ -137,31 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--csv", required=True)
     parser.add_argument("--against", default=None, metavar="CSV",
                         help="an earlier run's CSV: write only the cases whose plan changed")
-    parser.add_argument("--whole-rounds", action="store_true",
-                        help="plan as if one round of programs on part of the SMs cost the "
-                             "constants' whole charge (plan_model.partial_round off), as "
-                             "bench.plans --whole-rounds times it")
-    parser.add_argument("--no-l2-limit", action="store_true",
-                        help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
-                             "off), as bench.plans --no-l2-limit times it")
-    parser.add_argument("--no-tail-reduction", action="store_true",
-                        help="plan as if a tail split's reduction cost only its launch "
-                             "(plan_model.tail_reduction_us off), as bench.plans "
-                             "--no-tail-reduction times it")
-    parser.add_argument("--no-narrow-overlap", action="store_true",
-                        help="plan as if K splits loading element by element charged every "
-                             "round of programs on an SM in full (plan_model.narrow_overlap "
-                             "off), as bench.plans --no-narrow-overlap times it")
+    plans.add_rule_flags(parser, ", as bench.plans times it")
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
-    rounds = plan_model.WHOLE_ROUNDS if args.whole_rounds else plan_model.PARTIAL_ROUND
-    l2 = 0 if args.no_l2_limit else plan_model.L2_BYTES_PER_US
-    tail = 0 if args.no_tail_reduction else plan_model.TAIL_REDUCTION_BYTES
-    overlap = 1.0 if args.no_narrow_overlap else plan_model.NARROW_OVERLAP_ROUND
-    with mock.patch.object(plan_model, "PARTIAL_ROUND", rounds), \
-            mock.patch.object(plan_model, "L2_BYTES_PER_US", l2), \
-            mock.patch.object(plan_model, "TAIL_REDUCTION_BYTES", tail), \
-            mock.patch.object(plan_model, "NARROW_OVERLAP_ROUND", overlap):
+    with contextlib.ExitStack() as rules:
+        for constant, value in plans.rules_off(args):
+            rules.enter_context(mock.patch.object(plan_model, constant, value))
         rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:

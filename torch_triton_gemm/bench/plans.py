@@ -375,6 +375,36 @@ def _n_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+# The plan model's rules a flag turns off, for the other arm of each rule's A/B (bench.plans
+# times it, bench.picks lists the picks it moves): the flag, the plan_model constant, its value
+# with the rule off, and what planning then assumes.
+RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
+    ("--whole-rounds", "PARTIAL_ROUND", plan_model.WHOLE_ROUNDS,
+     "plan as if one round of programs on part of the SMs cost the constants' whole charge "
+     "(plan_model.partial_round off)"),
+    ("--no-l2-limit", "L2_BYTES_PER_US", 0,
+     "plan as if tiles' reads from L2 cost nothing (plan_model.l2_us off)"),
+    ("--no-tail-reduction", "TAIL_REDUCTION_BYTES", 0,
+     "plan as if a tail split's reduction cost only its launch (plan_model.tail_reduction_us "
+     "off)"),
+    ("--no-narrow-overlap", "NARROW_OVERLAP_ROUND", 1.0,
+     "plan as if K splits loading element by element charged every round of programs on an "
+     "SM in full (plan_model.narrow_overlap off)"),
+)
+
+
+def add_rule_flags(parser: argparse.ArgumentParser, arm: str) -> None:
+    """RULE_FLAGS' flags on ``parser``, each help text ending with ``arm``."""
+    for flag, _, _, assumes in RULE_FLAGS:
+        parser.add_argument(flag, action="store_true", help=assumes + arm)
+
+
+def rules_off(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(plan_model constant, value) for each rule that ``args``' RULE_FLAGS turn off."""
+    return [(constant, value) for flag, constant, value, _ in RULE_FLAGS
+            if getattr(args, flag.lstrip("-").replace("-", "_"))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.plans",
                                      description=__doc__.splitlines()[0])
@@ -460,24 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--trailing: whether they leave faster plans out)")
     parser.add_argument("--chosen-only", action="store_true",
                         help="time only the plan the planner picks (its ratio to cuBLAS)")
-    parser.add_argument("--whole-rounds", action="store_true",
-                        help="plan as if one round of programs on part of the SMs cost the "
-                             "constants' whole charge (plan_model.partial_round off): with "
-                             "--chosen-only, the other arm of its A/B")
     parser.add_argument("--untransposed", action="store_true",
                         help="plan as if the transposed rule (tuning.swap_plan) were off: with "
                              "--chosen-only, the other arm of its A/B")
-    parser.add_argument("--no-l2-limit", action="store_true",
-                        help="plan as if tiles' reads from L2 cost nothing (plan_model.l2_us "
-                             "off): with --chosen-only, the other arm of its A/B")
-    parser.add_argument("--no-tail-reduction", action="store_true",
-                        help="plan as if a tail split's reduction cost only its launch "
-                             "(plan_model.tail_reduction_us off): with --chosen-only, the "
-                             "other arm of its A/B")
-    parser.add_argument("--no-narrow-overlap", action="store_true",
-                        help="plan as if K splits loading element by element charged every "
-                             "round of programs on an SM in full (plan_model.narrow_overlap "
-                             "off): with --chosen-only, the other arm of its A/B")
+    add_rule_flags(parser, ": with --chosen-only, the other arm of its A/B")
     parser.add_argument("--fixup-ab", action="store_true",
                         help="time the plan the planner picks and, where it splits K, the "
                              "same plan with splits that finish their tiles themselves "
@@ -490,14 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the plan sweep needs a CUDA GPU")
     if args.untransposed:
         tuning.SWAP_MAX_ROWS = 0
-    if args.whole_rounds:
-        plan_model.PARTIAL_ROUND = plan_model.WHOLE_ROUNDS
-    if args.no_l2_limit:
-        plan_model.L2_BYTES_PER_US = 0
-    if args.no_tail_reduction:
-        plan_model.TAIL_REDUCTION_BYTES = 0
-    if args.no_narrow_overlap:
-        plan_model.NARROW_OVERLAP_ROUND = 1.0
+    for constant, value in rules_off(args):
+        setattr(plan_model, constant, value)
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
