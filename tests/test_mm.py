@@ -322,6 +322,44 @@ def _run_without_interpreter(script: str) -> str:
     return proc.stdout
 
 
+_WS_COMPILE_SCRIPT = """
+import re
+from hopper_compile import compile_for
+from torch_triton_gemm import tuning
+from torch_triton_gemm.kernels.wgmma_fp8 import CONSUMER_REGS, ws_gemm_kernel
+
+for tile, dtype, out in ((tuning.WS_TILES[0], "*bf16", "*bf16"),
+                         (tuning.WS_TILES[-1], "*fp16", "*fp16")):
+    consumers = tile.block_m // 64
+    constants = dict(HAS_BIAS=True, BLOCKWISE=False, A_ROWS=1, CONSUMERS=consumers,
+                     BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
+                     STAGES=tile.num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
+                     ws_ptr=None, locks_ptr=None, sa_ptr=None, sb_ptr=None)
+    pointers = {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": out, "bias_ptr": dtype}
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
+    kernel = compile_for(ws_gemm_kernel, pointers, constants, aligned, num_warps=4)
+    ptx = kernel.asm["ptx"]
+    shapes = sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m64n\\d+k16)", ptx)))
+    waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)))
+    print(consumers, shapes, len(re.findall(r"wgmma.mma_async", ptx)), waits,
+          "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx,
+          kernel.metadata.shared <= tuning.ws_shared_bytes(tile, 2))
+"""
+
+
+def test_warp_specialized_16_bit_kernel_compiles_for_hopper():
+    """Without a GPU, Triton compiles the warp-specialized kernel's 16-bit plans for sm_90
+    (the widest and the three-consumer tile): per consumer one K step of four k16 wgmmas of
+    the tile's width, waits that leave one wgmma in flight (1) and drain it (0), register
+    reallocation between the partitions, TMA copies, and the shared memory that
+    tuning.ws_shared_bytes counts."""
+    if torch.cuda.is_available():
+        pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
+    out = _run_without_interpreter(_WS_COMPILE_SCRIPT).split("\n")
+    assert out[:2] == ["2 ['m64n256k16'] 8 ['0', '1'] True True True",
+                       "3 ['m64n128k16'] 12 ['0', '1'] True True True"], out
+
+
 # --- gradients ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -686,6 +724,88 @@ def test_gpu_decode_products_run_transposed(dtype, monkeypatch):
         bias = randn((n,), dtype, "cuda")
         assert not plan_mm(xs, ws.t(), bias, out, "none", False).swap_ab
         assert rel_error(tg.mm(xs, ws.t(), bias), reference(xs, ws.t(), bias)) <= bound
+
+
+def _on_hopper_with_gluon() -> bool:
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    return wgmma_fp8.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_warp_specialized_plans_against_float64(dtype):
+    """Every 16-bit plan of Hopper's warp-specialized kernel (tuning.ws_plans), on products
+    with ragged M, N and K edges, with and without a bias, into NaN-poisoned outputs (bf16, and
+    fp32 where its tile fits): every element written, within the dtype's tolerance of float64,
+    the same bits again, through tg.mm under the forced plan and replayed in a CUDA graph with
+    new operands. The planner says the kernel runs such operands (ws_applies), not a
+    column-major a nor a pitch of 8 bytes, on which the forced plan explains itself."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    bound = tolerance(dtype, dtype)
+    for m, n, k in ((1000, 1000, 1000), (385, 520, 136), (3072, 200, 72)):
+        a = randn((m, k), dtype, "cuda")
+        w = randn((n, k), dtype, "cuda")
+        bias = randn((n,), dtype, "cuda")
+        assert planner.ws_applies(a, w.t(), torch.empty(m, n, device="cuda", dtype=dtype))
+        for out_dtype in (dtype, torch.float32):
+            for plan in tuning.ws_plans(torch.tensor([], dtype=out_dtype).element_size()):
+                for b in (None, bias):
+                    out = _poisoned((m, n), out_dtype, "cuda")
+                    launch_mm(a, w.t(), b, out, "none", False, plan)
+                    ref = reference(a, w.t(), b)
+                    assert rel_error(out, ref) <= bound, (m, n, k, plan.tile, out_dtype)
+                    again = _poisoned((m, n), out_dtype, "cuda")
+                    launch_mm(a, w.t(), b, again, "none", False, plan)
+                    assert torch.equal(out, again)
+        plan = tuning.ws_plans(2)[-1]
+        with tuning.force_plan(plan):
+            assert rel_error(tg.mm(a, w.t(), bias), reference(a, w.t(), bias)) <= bound
+            static_a = a.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = tg.mm(static_a, w.t())
+            static_a.copy_(randn((m, k), dtype, "cuda"))
+            graph.replay()
+            assert rel_error(static_out, reference(static_a, w.t())) <= bound
+    # K = 260 on 528-byte pitches (16-byte aligned), then a column-major a and a 524-byte one.
+    a = randn((256, 264), dtype, "cuda")[:, :260]
+    w = randn((192, 264), dtype, "cuda")[:, :260]
+    out = torch.empty(256, 192, device="cuda", dtype=dtype)
+    assert planner.ws_applies(a, w.t(), out)
+    assert not planner.ws_applies(a.t().contiguous().t(), w.t(), out)
+    odd = randn((256, 262), dtype, "cuda")[:, :260]  # a 524-byte pitch: not
+    assert not planner.ws_applies(odd, w.t(), out)
+    with pytest.raises(RuntimeError, match="16-byte aligned pitches"):
+        launch_mm(odd, w.t(), None, out, "none", False, tuning.ws_plans(2)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_times_warp_specialized_plans(monkeypatch):
+    """Autotuning times the warp-specialized kernel's plans too where it runs the product, each
+    giving the product; a tuned plan of it serves eager calls without activation, while traced
+    calls and activations keep the Triton kernels' plans."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm import plan_cache, tune
+
+    monkeypatch.setattr(plan_cache.TUNED, "put", lambda *args: None)  # the user's table stays
+    monkeypatch.setattr(planner, "_PLANS", {})
+    a = randn((1536, 1536), torch.bfloat16, "cuda")
+    b = randn((1536, 1536), torch.bfloat16, "cuda").t()
+    _, timings = tune.tune_mm(a, b, rep_ms=5)
+    ws = [t for t in timings if t.plan.kernel == tuning.WS_KERNEL]
+    assert [t.plan for t in ws] == tuning.ws_plans(2) and all(t.ms is not None for t in ws)
+    monkeypatch.setattr(plan_cache.TUNED, "get", lambda device, key: ws[0].plan)
+    out = torch.empty(1536, 1536, device="cuda", dtype=torch.bfloat16)
+    assert plan_mm(a, b, None, out, "none", False) == ws[0].plan
+    assert plan_mm(a, b, None, out, "none", True).kernel != tuning.WS_KERNEL
+    assert plan_mm(a, b, None, out, "relu", False).kernel != tuning.WS_KERNEL
+    bound = tolerance(torch.bfloat16, torch.bfloat16)
+    assert rel_error(tg.mm(a, b), reference(a, b)) <= bound
+    compiled = torch.compile(lambda a, b: tg.mm(a, b) * 2, fullgraph=True)
+    assert rel_error(compiled(a, b), 2 * reference(a, b)) <= bound
 
 
 @pytest.mark.gpu

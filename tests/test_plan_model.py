@@ -762,3 +762,55 @@ def test_the_l2_limit_raises_the_picks_on_held_out_h200_timings(monkeypatch):
     monkeypatch.setattr(plan_model, "L2_BYTES_PER_US", 0)
     unlimited = fit.check(plan_model.H100_COSTS, rows)
     assert limited["geomean"] > 1.03 * unlimited["geomean"]
+
+
+def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monkeypatch):
+    """The 16-bit plans of Hopper's warp-specialized kernel join the plan space and tuning's
+    candidates only where the kernel runs the product (``wgmma_out_size``), last, each fitting
+    shared memory. The plan model weighs them only with ``WS_PLANS`` on (off: they lost a
+    held-out A/B) and constants that cost that kernel, and then picks one where it is
+    cheapest."""
+    plain = list(tuning.plan_space(3072, 3072, 3072, 2, True, 132))
+    assert not any(p.kernel == tuning.WS_KERNEL for p in plain)
+    with_ws = list(tuning.plan_space(3072, 3072, 3072, 2, True, 132, wgmma_out_size=2))
+    ws = tuning.ws_plans(2)
+    assert ws and with_ws == plain + ws
+    assert {p.tile.block_m for p in ws} == {128, 192}
+    candidates = list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132))
+    assert not any(p.kernel == tuning.WS_KERNEL for p in candidates)
+    assert list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132,
+                                       wgmma_out_size=2)) == candidates + ws
+    for out_size in (2, 4):
+        assert all(tuning.ws_shared_bytes(p.tile, out_size) <= H100_SHARED_MEMORY
+                   for p in tuning.ws_plans(out_size))
+    assert len(tuning.ws_plans(4)) < len(ws)  # fp32 192x128 C tiles leave no room
+    args = (3072, 3072, 3072, 2, 2, True, 132, True, False)
+    assert not plan_model.WS_PLANS
+    baseline = plan_model.modelled_plan(*args)
+    assert plan_model.modelled_plan(*args, wgmma=True) == baseline
+    monkeypatch.setattr(plan_model, "WS_PLANS", True)
+    assert plan_model.modelled_plan(*args) == baseline
+    uncosted = dataclasses.replace(plan_model.H100_COSTS, tiles={
+        k: v for k, v in plan_model.H100_COSTS.tiles.items() if k[0] != tuning.WS_KERNEL})
+    cheap = plan_model.TileCost(1.0, 0.01, 0.01)
+    costed = dataclasses.replace(uncosted, tiles={
+        **uncosted.tiles, **{plan_model._tile_key(tuning.WS_KERNEL, p.tile): cheap for p in ws}})
+    monkeypatch.setattr(plan_model, "H100_COSTS", uncosted)
+    assert plan_model.modelled_plan(*args, wgmma=True) == baseline
+    monkeypatch.setattr(plan_model, "H100_COSTS", costed)
+    assert plan_model.modelled_plan(*args, wgmma=True).kernel == tuning.WS_KERNEL
+
+
+def test_tuned_warp_specialized_plans_load_only_as_made():
+    """The tuned-plan file takes the warp-specialized kernel's plans as ``ws_plans`` makes
+    them, and no other tile or setting of that kernel (a 192-row tile is not a power of two,
+    which the Triton kernels' plans must be)."""
+    from torch_triton_gemm import plan_cache
+
+    for tile in tuning.WS_TILES:
+        assert plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tile))
+    assert not plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tuning.WS_TILES[0],
+                                                    split_k=2))
+    assert not plan_cache._launchable(tuning.MMPlan(
+        tuning.WS_KERNEL, dataclasses.replace(tuning.WS_TILES[2], num_stages=9)))
+    assert not plan_cache._launchable(tuning.MMPlan("tma", tuning.WS_TILES[2]))

@@ -987,10 +987,10 @@ _PRECISE_COMPILE_SCRIPT = """
 import re
 from hopper_compile import compile_for
 from torch_triton_gemm.kernels.wgmma_fp8 import fp8_grouped_precise_kernel
-from torch_triton_gemm.kernels.wgmma_fp8 import fp8_precise_kernel
+from torch_triton_gemm.kernels.wgmma_fp8 import ws_gemm_kernel
 
 for kernel, consumers, stages, regs, out in (
-        (fp8_precise_kernel, 2, 4, 232, "*bf16"), (fp8_precise_kernel, 3, 3, 160, "*fp32"),
+        (ws_gemm_kernel, 2, 4, 232, "*bf16"), (ws_gemm_kernel, 3, 3, 160, "*fp32"),
         (fp8_grouped_precise_kernel, 2, 4, 232, "*bf16")):
     constants = dict(HAS_BIAS=True, CONSUMERS=consumers, BLOCK_N=128, GROUP_M=8,
                      STAGES=stages, CONSUMER_REGS=regs)

@@ -36,7 +36,7 @@ import torch
 import triton
 
 from . import device as _device
-from .tuning import MAX_SPLIT_K, MMPlan, size_bucket
+from .tuning import MAX_SPLIT_K, WS_KERNEL, WS_TILES, MMPlan, size_bucket
 
 try:
     import fcntl
@@ -276,8 +276,11 @@ def _launchable(plan: MMPlan) -> bool:
     """Whether ``plan`` holds values the kernels launch with: a known kernel, power-of-two
     blocks of 16 to 1024 (tl.dot's least size; no larger tile fits an SM), a launch shape a
     GPU takes, K splits up to tuning's limit (each costs fp32 workspace), stream-K over at
-    most a few waves, not transposed (tuning times plans as they are, untransposed)."""
+    most a few waves, not transposed (tuning times plans as they are, untransposed); or one
+    of the warp-specialized kernel's plans as ``ws_plans`` makes them."""
     tile = plan.tile
+    if plan.kernel == WS_KERNEL:
+        return tile in WS_TILES and plan == MMPlan(WS_KERNEL, tile)
     return (plan.kernel in ("tma", "portable")
             and all(_power_of_two(b, 16, 1024) for b in (tile.block_m, tile.block_n, tile.block_k))
             and tile.group_m >= 1 and _power_of_two(tile.num_warps, 1, 32)

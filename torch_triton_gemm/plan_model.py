@@ -168,7 +168,7 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
     tiles = tuning.output_tiles(m, n, tile)
     k_steps = max(1, -(-k // tile.block_k))
     programs = num_sms * plan.programs_per_sm
-    persistent = plan.kernel == "tma"
+    persistent = plan.kernel in ("tma", tuning.WS_KERNEL)
     if plan.stream_k and persistent and plan.split_k <= 1:
         shared = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
         if shared:
@@ -607,10 +607,19 @@ def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None) -> Cos
 
 
 
+# Whether the warp-specialized kernel's 16-bit plans (tuning.WS_KERNEL) compete where they
+# can run a product: off. Costed by their constants below, the picks they took on held-out
+# sweeps ran 0.95x as fast as the Triton kernels' picks on an H200 (58 products of seeds
+# 2146-2149; the named suites' 42 moves 1.00x: 1536^3-like products 1.11-1.16x, short-K and
+# mid-size TMA products 0.8-0.9x; docs/data/wgmma-ab-h200-seed2142-2149.csv). Autotuning
+# times them (tune.py), and bench.plans --wgmma weighs them as the planner would.
+WS_PLANS = False
+
+
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
                   num_sms: int, aligned: bool, narrow: bool,
                   a_m_contiguous: bool = False, pitch_vector: int = 0,
-                  l2_bytes: int | None = None) -> tuning.MMPlan | None:
+                  l2_bytes: int | None = None, wgmma: bool = False) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
@@ -618,14 +627,17 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     as they are (``aligned``) or copied; ``narrow``: an operand pitch is not a multiple of 16
     elements; ``a_m_contiguous``: A's columns are contiguous; ``pitch_vector``: the widest
     copy the portable kernel makes along such pitches (``cost_kernel``); ``l2_bytes``: the
-    GPU's L2 cache (None: the fitted H100's). None where no plan of the space fits the GPU's
-    shared memory."""
+    GPU's L2 cache (None: the fitted H100's); ``wgmma``: the warp-specialized kernel can run
+    the product (the planner's ``ws_applies``), whose plans compete once the constants cost
+    them. None where no plan of the space fits the GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms, l2_bytes)
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
-    # such plans).
+    # such plans), and so the warp-specialized kernel's plans.
     fixups = "fixup" in costs.launch_us
-    plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned)
+    ws_costed = wgmma and WS_PLANS and any(key[0] == tuning.WS_KERNEL for key in costs.tiles)
+    plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned,
+                                          wgmma_out_size=out_size if ws_costed else 0)
              if not p.stream_k and (fixups or not p.split_fixup)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
@@ -771,6 +783,15 @@ H100_COSTS = Costs(
         ('tma', 128, 256, 8, 3): TileCost(7.269, 0.7479, 3.356),
         ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6578, 2.138),
         ('tma', 256, 128, 8, 3): TileCost(6.372, 0.8464, 3.223),
+        # The warp-specialized kernel's 16-bit tiles (WS_PLANS: off), fitted alone (bench.fit's
+        # fit, every other constant fixed) on its H200 timings scaled into these constants'
+        # units: each time times the model's prediction for the Triton kernels' pick on that
+        # product over the pick's time in the same run (docs/data/wgmma-probe-h200.csv and the
+        # first A/B of wgmma-ab-h200-seed2142-2149.csv; unscaled, bench.fit --refit wgmma on
+        # plans-h200-seed2141-wgmma.csv gave launches of 2.8-4.3 us, and picks 0.89x as fast).
+        ('wgmma', 128, 128, 4, 4): TileCost(8.669, 0.3728, 1.307),
+        ('wgmma', 128, 256, 4, 3): TileCost(6.887, 0.6638, 3.095),
+        ('wgmma', 192, 128, 4, 4): TileCost(6.775, 0.5188, 2.449),
     },
     machine=Machine(132, 2.46e+06, 3.21e+04),
 )

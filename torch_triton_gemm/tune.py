@@ -26,7 +26,12 @@ from . import plan_cache, tuning
 from .ops import graph_descriptors
 from .ops.checks import check, default_out_dtype
 from .ops.launcher import launch_mm
-from .ops.operands import kernel_operands, layout_key
+from .ops.operands import (
+    kernel_operands,
+    layout_key,
+    on_hopper_with_gluon,
+    warp_specialized_operands,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.float8_e4m3fn}
@@ -100,8 +105,13 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     # Plans are timed as eager calls launch them: not with host-built descriptors, which
     # would reach some candidates' captures and not others' (ops/graph_descriptors.py).
     with graph_descriptors.off():
+        # Hopper's warp-specialized kernel too where it runs the product (eager calls without
+        # activation: what a tuned plan of it is used for, see planner._plan).
+        wgmma = (activation == "none" and a.element_size() == 2 and on_hopper_with_gluon(device)
+                 and warp_specialized_operands(a, b, out))
         for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
-                                           a_k_contiguous=stride_ak == 1):
+                                           a_k_contiguous=stride_ak == 1,
+                                           wgmma_out_size=out.element_size() if wgmma else 0):
             def run(plan: tuning.MMPlan = plan) -> None:
                 launch_mm(a, b, bias, out, activation, traceable=False, plan=plan)
 

@@ -40,7 +40,7 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class MMPlan:
-    kernel: str  # "tma", "portable" or "wgmma_fp8" (see fp8_precise_plan)
+    kernel: str  # "tma", "portable", "wgmma_fp8" (see fp8_precise_plan) or "wgmma" (WS_KERNEL)
     tile: TileConfig
     split_k: int = 1
     warp_specialize: bool = False
@@ -419,6 +419,33 @@ def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
 def _fp8_precise_tile_of(consumers: int, stages: int, group_m: int) -> TileConfig:
     # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.
     return TileConfig(64 * consumers, 128, 64, group_m, 4, stages)
+
+
+# tgemm::mm's 16-bit plans on the same warp-specialized kernel (kernels/wgmma_fp8.py's
+# ws_gemm_kernel, sm_90): persistent, unsplit, 64 output rows per consumer warpgroup (two or
+# three: 192-row tiles, which the Triton kernels' power-of-two blocks cannot make), 64-deep K
+# steps. The tiles that led on an H200 probe of 64 shapes (docs/data/wgmma-probe-h200.csv): 128x256
+# in three stages, 128x128 in four, 192x128 in four.
+WS_KERNEL = "wgmma"
+WS_TILES: tuple[TileConfig, ...] = (TileConfig(128, 256, 64, 8, 4, 3),
+                                    TileConfig(128, 128, 64, 8, 4, 4),
+                                    TileConfig(192, 128, 64, 8, 4, 4))
+
+
+def ws_shared_bytes(tile: TileConfig, out_size: int) -> int:
+    """Shared memory of a 16-bit plan on the warp-specialized kernel: its stages of A and B
+    tiles, a C tile (every consumer's rows) in the output's dtype, and up to 4 KiB of barriers
+    and the epilogue's layout conversions (2.1 KiB in the sm_90 build of 128x256 with a bias)."""
+    return (tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
+            + tile.block_m * tile.block_n * out_size + 4096)
+
+
+def ws_plans(out_size: int) -> list[MMPlan]:
+    """The 16-bit plans of the warp-specialized kernel (WS_TILES) whose shared memory fits the
+    GPU."""
+    limit = _device.shared_memory_per_block(0)
+    return [MMPlan(WS_KERNEL, tile) for tile in WS_TILES
+            if ws_shared_bytes(tile, out_size) <= limit]
 
 
 def fp8_precise_plans(out_size: int) -> list[MMPlan]:
@@ -1077,9 +1104,12 @@ def fixes_up_splits(plan: MMPlan, split_k: int) -> bool:
 # --- candidates for tuning ------------------------------------------------------------------------
 
 def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
-                    num_sms: int, a_k_contiguous: bool = True) -> Iterator[MMPlan]:
+                    num_sms: int, a_k_contiguous: bool = True,
+                    wgmma_out_size: int = 0) -> Iterator[MMPlan]:
     """Plans worth timing for one shape: every tile of the space that suits its size, unsplit
-    and split to fill the SMs, on each kernel the operands allow; the heuristic's plan first."""
+    and split to fill the SMs, on each kernel the operands allow; the heuristic's plan first;
+    last, where Hopper's warp-specialized kernel runs the product (``wgmma_out_size``: the
+    output's element size, see ``plan_space``), its plans (``ws_plans``)."""
     smem = _device.shared_memory_per_block(0)
     seen = set()
     first = heuristic_mm_plan(m, n, k, element_size, tma, num_sms,
@@ -1113,6 +1143,8 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                     if candidate not in seen:
                         seen.add(candidate)
                         yield candidate
+    if wgmma_out_size:
+        yield from ws_plans(wgmma_out_size)
 
 
 # The space the planner's rules choose from (and the plan sweep times): tiles for 2-byte inputs.
@@ -1143,7 +1175,8 @@ PLAN_SPACE_TILES: tuple[TileConfig, ...] = (
 
 
 def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: int,
-               aligned: bool = True, wide: bool = False) -> Iterator[MMPlan]:
+               aligned: bool = True, wide: bool = False,
+               wgmma_out_size: int = 0) -> Iterator[MMPlan]:
     """Every plan of the planner's space for one shape: each tile of PLAN_SPACE_TILES that
     suits the size, on the portable kernel (only tiles of up to 64 rows where ``tma``) and
     (``tma``: the operands can be described, or copied into aligned buffers when not
@@ -1151,7 +1184,9 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
     stream-K (the partial wave, or it and one whole wave), split to fill the SMs (and twice
     that for skinny products), or with the partial wave split. ``wide``: every tile that fits
     shared memory, on both kernels, whatever the size and width rules say (the plan sweep's
-    ``--wide-space``: whether those rules leave faster plans out)."""
+    ``--wide-space``: whether those rules leave faster plans out). ``wgmma_out_size``: the
+    output's element size where the warp-specialized kernel can run the product (the planner's
+    ``ws_applies``), whose plans (``ws_plans``) come last; 0: it cannot."""
     smem = _device.shared_memory_per_block(0)
     seen: set[MMPlan] = set()
     suited = [tile for tile in (_for_dtype(base, element_size) for base in PLAN_SPACE_TILES)
@@ -1195,6 +1230,8 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
             if plan not in seen:
                 seen.add(plan)
                 yield plan
+    if wgmma_out_size:
+        yield from ws_plans(wgmma_out_size)
 
 
 def _latency_splits(tiles: int, k_steps: int, num_sms: int) -> set[int]:

@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--refit", default=None, metavar="KERNEL",
                         help="fit only the tiles of this cost kernel (plan_model.cost_kernel: "
                              "portable, portable-narrow, portable-narrow-vector, portable-mcol, "
-                             "tma) on the fit files' rows of it; every other constant stays "
+                             "tma, wgmma) on the fit files' rows of it; every other constant stays "
                              "plan_model.H100_COSTS's")
     args = parser.parse_args(argv)
     if args.fit_before and not args.fit:
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.fit and not args.check and not args.rebase_launches:
         parser.error("give plan-sweep CSVs to --fit on, --rebase-launches on and/or to --check")
     cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles} | set(
-        plan_model.REFINES))
+        plan_model.REFINES) | {tuning.WS_KERNEL})
     if args.refit is not None and args.refit not in cost_kernels:
         parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:

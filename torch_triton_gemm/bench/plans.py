@@ -170,14 +170,15 @@ def _chosen_of(case: AnyCase, dtype: str) -> tuning.MMPlan:
 
 
 def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned: bool,
-             out_size: int = 2, wide: bool = False) -> list[tuning.MMPlan]:
+             out_size: int = 2, wide: bool = False, wgmma: bool = False) -> list[tuning.MMPlan]:
     """The plans timed for ``case``: the plan space (``wide``: without its size and width
-    rules, see ``tuning.plan_space``), for an fp8 product whose recipe Hopper's precise
-    fp8 kernel runs (tensorwise or rowwise without fast accumulation, blockwise) on a GPU with
-    TMA, every plan of that kernel, and for products of few rows (not blockwise) the
-    transposed candidates (``tuning.transposed_plans``)."""
+    rules, see ``tuning.plan_space``; ``wgmma``: with the 16-bit plans of Hopper's
+    warp-specialized kernel, where it runs the product), for an fp8 product whose recipe
+    Hopper's precise fp8 kernel runs (tensorwise or rowwise without fast accumulation,
+    blockwise) on a GPU with TMA, every plan of that kernel, and for products of few rows (not
+    blockwise) the transposed candidates (``tuning.transposed_plans``)."""
     plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
-                                   aligned, wide))
+                                   aligned, wide, out_size if wgmma else 0))
     if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
         plans += tuning.fp8_precise_plans(out_size)
     if not (isinstance(case, ScaledCase) and case.recipe == "blockwise"):
@@ -192,8 +193,11 @@ def case_plans(case: AnyCase, dtype: str,
     p = problem(case, dtype, reference=False)
     a, b = p.args[:2]
     aligned = _aligned(a, b, p.out)
+    from ..ops.planner import ws_applies
+
+    wgmma = not isinstance(case, ScaledCase) and ws_applies(a, b, p.out)
     plans = space_of(case, a.element_size(), _device.supports_tma(a.device),
-                     _device.num_sms(a.device), aligned, p.out.element_size(), wide)
+                     _device.num_sms(a.device), aligned, p.out.element_size(), wide, wgmma)
     chosen = p.chosen()
     if chosen not in plans:
         plans.append(chosen)
@@ -390,6 +394,9 @@ RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--no-narrow-overlap", "NARROW_OVERLAP_ROUND", 1.0,
      "plan as if K splits loading element by element charged every round of programs on an "
      "SM in full (plan_model.narrow_overlap off)"),
+    ("--wgmma", "WS_PLANS", True,
+     "plan as if Hopper's warp-specialized kernel's 16-bit plans competed where it runs the "
+     "product (plan_model.WS_PLANS on)"),
 )
 
 
@@ -469,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only products with one of these operand layouts (comma-separated: "
                              "a-row, a-col (x.t()), b-col (W.t()), b-row)")
     parser.add_argument("--kernels", default=None,
-                        help="only plans of these kernels (comma-separated: portable, tma)")
+                        help="only plans of these kernels (comma-separated: portable, tma, "
+                             "wgmma)")
     parser.add_argument("--split-ks", default=None, metavar="S",
                         help="only plans splitting K into one of these counts (comma-separated: "
                              "1 for unsplit plans, which is what a refit of a kernel's step and "
@@ -556,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kernels = set(args.kernels.split(","))
         jobs = [(c, d, aligned, [p for p in plans if p.kernel in kernels])
                 for c, d, aligned, plans in jobs]
+        jobs = [job for job in jobs if job[3]]  # (cases no such plan runs: nothing to time)
     if args.split_ks is not None:
         splits = {int(s) for s in args.split_ks.split(",")}
         jobs = [(c, d, aligned, [p for p in plans if p.split_k in splits])

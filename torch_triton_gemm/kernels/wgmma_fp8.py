@@ -1,6 +1,7 @@
-"""Hopper's fp8 GEMM with precise accumulation: tensorwise and rowwise scaled_mm with
-``use_fast_accum=False``, and blockwise scaled_mm (DeepSeek-V3's 1x128 / 128x128 scales, which
-apply at each promotion), written in Gluon (Triton's lower-level dialect) for sm_90.
+"""Hopper's warp-specialized GEMM, written in Gluon (Triton's lower-level dialect) for sm_90:
+fp8 with precise accumulation (tensorwise and rowwise scaled_mm with ``use_fast_accum=False``,
+and blockwise scaled_mm: DeepSeek-V3's 1x128 / 128x128 scales, which apply at each promotion),
+and 16-bit products.
 
 Hopper's fp8 tensor cores keep fewer bits than fp32 in their accumulator, so a precise fp8 GEMM
 adds each K step's product into an fp32 accumulator in registers: every step's wgmma writes a
@@ -23,10 +24,18 @@ same way: 0.80-0.87x cuBLAS on an H100). Here the work is warp-specialized, as D
 product (scaled_grouped_mm's MoE forward), tiles numbered group after group; a tile that passes
 its group's last row stores through pointers masked there.
 
-Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 deep (the promotion
-interval of cuBLAS's precise mode: the same error against float64). Requirements, checked by
-the planner: A and B K-contiguous (b as ``W.t()``, torch._scaled_mm's layout), 16-byte aligned
-pitches and pointers, a row-major output; TMA zero-fills the M, N and K edges.
+``ws_gemm_kernel`` also runs 16-bit products (tgemm::mm's "wgmma" plans): there the consumers
+accumulate in the wgmma's own fp32 accumulator, issuing a K step's wgmma before waiting for the
+one before (whose slot then goes back to the loader), so the kernel is the same warp-specialized
+pipeline without the promotion. Three consumers give 192-row tiles, which Triton's power-of-two
+blocks cannot: on an H200, 3072^3 bf16 in 86.9 us against 101.3 for tgemm's plan on the Triton
+TMA kernel (cuBLAS 81.9).
+
+Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 bytes of each row:
+128 fp8 elements (the promotion interval of cuBLAS's precise mode: the same error against
+float64) or 64 16-bit ones. Requirements, checked by the planner: A and B K-contiguous (b as
+``W.t()``, torch._scaled_mm's layout), 16-byte aligned pitches and pointers, a row-major output;
+TMA zero-fills the M, N and K edges.
 
 Gluon exists in Triton 3.5 and later; ``AVAILABLE`` says whether this Triton has it.
 """
@@ -50,7 +59,8 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma rows
-BLOCK_K = 128  # fp8 elements per K step (one promotion)
+BLOCK_K = 128  # fp8 elements per K step (one promotion); 16-bit steps take 64 (the same bytes)
+SCALE_BLOCK = 128  # blockwise scales: one per 128 of K, and scale_b one per 128 columns
 # Registers per thread of the consumer warpgroups, for two or three of them: a 64x128 fp32
 # accumulator and the step's partial sum (64 each) fit either way; three consumers must leave
 # room in the SM's 64K registers for each other and the loader.
@@ -58,7 +68,7 @@ CONSUMER_REGS = {2: 232, 3: 160}
 
 if AVAILABLE:
     _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
-    _BLOCK_K = gl.constexpr(BLOCK_K)
+    _SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)
 
     @gluon.jit
     def _tile_offsets(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -114,7 +124,8 @@ if AVAILABLE:
         """The loader warp: every K step of every tile of this program, in order, into the
         next slot once its consumers have released it."""
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
-        k_steps = gl.cdiv(K, _BLOCK_K)
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        k_steps = gl.cdiv(K, BLOCK_K)
         tile = gl.program_id(0)
         g, m0, m1, tiles_before, tiles_end = _first_group(offs_ptr, M, N, BLOCK_M, BLOCK_N,
                                                           GROUPED)
@@ -134,9 +145,9 @@ if AVAILABLE:
                 mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes
                                 + b_desc.block_type.nbytes)
                 for c in gl.static_range(CONSUMERS):
-                    _tma_load(a_desc, [off_m + c * _ROWS, k * _BLOCK_K], bar,
+                    _tma_load(a_desc, [off_m + c * _ROWS, k * BLOCK_K], bar,
                               a_bufs.index(slot * CONSUMERS + c))
-                _tma_load(b_desc, [off_b, k * _BLOCK_K], bar, b_bufs.index(slot))
+                _tma_load(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot))
                 step += 1
             tile += gl.num_programs(0)
             g, m0, m1, tiles_before, tiles_end = _to_group_of(
@@ -148,22 +159,26 @@ if AVAILABLE:
                             offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_cm, stride_bias_g,
                             stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk,
                             stride_sbn, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
-                            GROUPED: gl.constexpr, BLOCKWISE: gl.constexpr,
+                            GROUPED: gl.constexpr, SCALED: gl.constexpr, BLOCKWISE: gl.constexpr,
                             A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
                             BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr):
         """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every tile of this
-        program, each K step's wgmma promoted into fp32 (times the step's scales when
-        BLOCKWISE: scale_a per A_ROWS rows, scale_b one per 128 columns), then the epilogue:
+        program. SCALED (fp8): each K step's wgmma promoted into fp32 (times the step's scales
+        when BLOCKWISE: scale_a per A_ROWS rows, scale_b one per 128 columns; else the outer
+        scales in the epilogue); 16-bit inputs accumulate in the wgmma's own fp32 accumulator,
+        one wgmma left in flight while the next waits for its operands. Then the epilogue:
         stored by TMA, or through pointers masked at the group's last row where a GROUPED
         tile passes it."""
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        INSTR_K: gl.constexpr = 32 if SCALED else 16
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, INSTR_K])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         vector_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        k_steps = gl.cdiv(K, _BLOCK_K)
+        k_steps = gl.cdiv(K, BLOCK_K)
         zero = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         c_smem = c_bufs.index(CONSUMER)
         tile = gl.program_id(0)
@@ -181,7 +196,7 @@ if AVAILABLE:
             # K loop, and held one element a thread until then (no registers to spare).
             rows = off_m + gl.arange(0, _ROWS, layout=vector_layout)
             cols = off_n + gl.arange(0, BLOCK_N, layout=vector_layout)
-            if not BLOCKWISE:
+            if SCALED and not BLOCKWISE:
                 scale_a = gl.load(sa_ptr + rows * stride_sam, mask=rows < M, other=0.0)
                 scale_b = gl.load(sb_ptr + g * stride_sbg + cols * stride_sbn, mask=cols < N,
                                   other=0.0)
@@ -192,31 +207,47 @@ if AVAILABLE:
                 # A step's scales are loaded one step ahead, while the wgmma before runs.
                 step_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
                 sa_ptrs = sa_ptr + (step_rows // A_ROWS) * stride_sam
-                sb_step = sb_ptr + (off_n // _BLOCK_K) * stride_sbn
+                sb_step = sb_ptr + (off_n // _SCALE_BLOCK) * stride_sbn
                 sa_next = gl.load(sa_ptrs, mask=step_rows < M, other=0.0)
                 sb_next = gl.load(sb_step)
             acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-            for k in range(k_steps):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
-                                     b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
-                                     is_async=True)
-                if BLOCKWISE:
-                    step_scale = sa_next * sb_next
-                    more = k + 1 < k_steps
-                    sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
-                                      mask=(step_rows < M) & more, other=0.0)
-                    sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
-                part = warpgroup_mma_wait(0, deps=(part,))
-                mbarrier.arrive(empty.index(slot), count=1)
-                # The promotion: one fp32 add (and for blockwise, one multiply) per K step.
-                if BLOCKWISE:
-                    acc = acc + part * gl.expand_dims(step_scale, 1)
-                else:
-                    acc = acc + part
-                step += 1
-            if not BLOCKWISE:
+            if not SCALED:
+                for k in range(k_steps):
+                    slot = step % STAGES
+                    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
+                                        b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                    # The step before is done once at most this one is in flight: its slot
+                    # goes back to the loader.
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    if k > 0:
+                        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+                    step += 1
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                if k_steps > 0:
+                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            else:
+                for k in range(k_steps):
+                    slot = step % STAGES
+                    mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                    part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
+                                         b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                                         is_async=True)
+                    if BLOCKWISE:
+                        step_scale = sa_next * sb_next
+                        more = k + 1 < k_steps
+                        sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
+                                          mask=(step_rows < M) & more, other=0.0)
+                        sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    # The promotion: one fp32 add (and for blockwise, one multiply) per K step.
+                    if BLOCKWISE:
+                        acc = acc + part * gl.expand_dims(step_scale, 1)
+                    else:
+                        acc = acc + part
+                    step += 1
+            if SCALED and not BLOCKWISE:
                 scale_a = gl.convert_layout(scale_a, row_layout)
                 scale_b = gl.convert_layout(scale_b, col_layout)
                 acc = acc * gl.expand_dims(scale_a, 1) * gl.expand_dims(scale_b, 0)
@@ -250,23 +281,26 @@ if AVAILABLE:
               CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
+        # A K step is 128 bytes of each row: 128 fp8 or 64 16-bit elements.
+        BLOCK_K: gl.constexpr = 1024 // a_ptr.dtype.element_ty.primitive_bitwidth
+        SCALED: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 8
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [_ROWS, _BLOCK_K], a_ptr.dtype.element_ty)
+            [_ROWS, BLOCK_K], a_ptr.dtype.element_ty)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [BLOCK_N, _BLOCK_K], b_ptr.dtype.element_ty)
+            [BLOCK_N, BLOCK_K], b_ptr.dtype.element_ty)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_ROWS, BLOCK_N], c_ptr.dtype.element_ty)
         a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                            block_shape=[_ROWS, _BLOCK_K], layout=a_layout)
+                                            block_shape=[_ROWS, BLOCK_K], layout=a_layout)
         # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
         b_desc = tma.make_tensor_descriptor(b_ptr, shape=[G * N, K], strides=[stride_bn, 1],
-                                            block_shape=[BLOCK_N, _BLOCK_K], layout=b_layout)
+                                            block_shape=[BLOCK_N, BLOCK_K], layout=b_layout)
         c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                             block_shape=[_ROWS, BLOCK_N], layout=c_layout)
         a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty,
-                                           [STAGES * CONSUMERS, _ROWS, _BLOCK_K], a_layout)
+                                           [STAGES * CONSUMERS, _ROWS, BLOCK_K], a_layout)
         b_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty,
-                                           [STAGES, BLOCK_N, _BLOCK_K], b_layout)
+                                           [STAGES, BLOCK_N, BLOCK_K], b_layout)
         c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty,
                                            [CONSUMERS, _ROWS, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -283,13 +317,13 @@ if AVAILABLE:
                                        bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
                                        stride_cm, stride_bias_g, stride_bias_n, stride_sam,
                                        stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
-                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
                                        BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
                                        bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
                                        stride_cm, stride_bias_g, stride_bias_n, stride_sam,
                                        stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
-                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
                                        BLOCK_N, GROUP_M, STAGES)),
                 (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
                                    M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
@@ -300,19 +334,19 @@ if AVAILABLE:
                                        bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
                                        stride_cm, stride_bias_g, stride_bias_n, stride_sam,
                                        stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
-                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
                                        BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
                                        bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
                                        stride_cm, stride_bias_g, stride_bias_n, stride_sam,
                                        stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
-                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
                                        BLOCK_N, GROUP_M, STAGES)),
                 (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
                                        bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
                                        stride_cm, stride_bias_g, stride_bias_n, stride_sam,
                                        stride_sak, stride_sbg, stride_sbk, stride_sbn, 2,
-                                       CONSUMERS, GROUPED, BLOCKWISE, A_ROWS, HAS_BIAS,
+                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
                                        BLOCK_N, GROUP_M, STAGES)),
                 (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
                                    M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
@@ -322,18 +356,20 @@ if AVAILABLE:
     # mm kernels': workspace and locks unused; the grouped kernel's: routing unused), so each
     # launcher runs them like those. Nothing is specialised on sizes or pitches.
     @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
-    def fp8_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
-                           M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
-                           stride_sak, stride_sbk, stride_sbn, HAS_BIAS: gl.constexpr,
-                           BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
-                           CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                           GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr):
-        """C = (A * scale_a) @ (B * scale_b) + bias for K-contiguous fp8 A [M, K] and B [K, N]
-        (described as B's transpose [N, K]), fp32 promotion every K step; tensorwise or rowwise
-        scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row block, K
-        block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at each
-        promotion; see the module docstring. Launch with num_warps=4, one program per SM."""
+    def ws_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
+                       M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
+                       stride_sak, stride_sbk, stride_sbn, HAS_BIAS: gl.constexpr,
+                       BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
+                       CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
+        """C = A @ B + bias for K-contiguous A [M, K] and B [K, N] (described as B's transpose
+        [N, K]). fp8: (A * scale_a) @ (B * scale_b), fp32 promotion every K step; tensorwise or
+        rowwise scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row
+        block, K block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at
+        each promotion. 16-bit inputs: no scales (sa_ptr, sb_ptr unused), accumulated by the
+        wgmmas in place. See the module docstring. Launch with num_warps=4, one program per
+        SM."""
         _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, sa_ptr, sb_ptr, 1, M, N, K, stride_am,
               stride_bn, stride_cm, 0, stride_bias, stride_sam, stride_sak, 0, stride_sbk,
               stride_sbn, False, BLOCKWISE, A_ROWS, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M,

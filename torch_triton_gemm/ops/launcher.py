@@ -33,7 +33,7 @@ from ..kernels.matmul import (
 from . import graph_descriptors
 from .checks import ceil_div, check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, trailing_arguments, variant_key
-from .operands import Pad, kernel_operands
+from .operands import Pad, kernel_operands, warp_specialized_operands
 
 
 class GemmScales(NamedTuple):
@@ -114,8 +114,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                    out: torch.Tensor, activation: str, traceable: bool,
                    plan: tuning.MMPlan, scales: GemmScales | None) -> PreparedLaunch:
     """Work out the launch of ``plan`` (see ``launch_mm``); M and N are non-zero."""
-    if plan.kernel == tuning.FP8_PRECISE_KERNEL:
-        return _prepare_fp8_precise(a, b, bias, out, plan, scales)
+    if plan.kernel in (tuning.FP8_PRECISE_KERNEL, tuning.WS_KERNEL):
+        return _prepare_warp_specialized(a, b, bias, out, activation, plan, scales)
     if plan.swap_ab:
         # The kernels compute C^T = B^T A^T: the same memory seen transposed; run_launch and
         # run_kept pass b's and scale_b's pointers where a's and scale_a's go (a check per
@@ -265,27 +265,37 @@ def _transposed_scales(scales: GemmScales) -> GemmScales:
                            b_cols=scales.a_rows)
 
 
-def _prepare_fp8_precise(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                         out: torch.Tensor, plan: tuning.MMPlan,
-                         scales: GemmScales | None) -> PreparedLaunch:
-    """The launch of Hopper's warp-specialized precise fp8 kernel (a plan of
-    ``tuning.fp8_precise_plan``, for operands the planner found it can read): one persistent
-    program per SM, the scales read through their strides (tensorwise, rowwise, blockwise)."""
-    check(scales is not None and wgmma_fp8.AVAILABLE and (
-              scales.mode == "outer" or scales.mode == "block" and scales.b_cols == 128),
-          lambda: f"tgemm: the {plan.kernel} kernel runs tensorwise, rowwise and 128x128-block "
-                  f"scaled fp8 products")
+def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                              out: torch.Tensor, activation: str, plan: tuning.MMPlan,
+                              scales: GemmScales | None) -> PreparedLaunch:
+    """The launch of Hopper's warp-specialized Gluon kernel (kernels/wgmma_fp8.py): a precise
+    fp8 plan (``tuning.fp8_precise_plan``, scales read through their strides: tensorwise,
+    rowwise, blockwise) or a 16-bit one (``tuning.WS_KERNEL``, unscaled), for operands the
+    planner found it can read (``planner.ws_applies``); one persistent program per SM."""
+    if plan.kernel == tuning.FP8_PRECISE_KERNEL:
+        check(scales is not None and wgmma_fp8.AVAILABLE and (
+                  scales.mode == "outer" or scales.mode == "block" and scales.b_cols == 128),
+              lambda: f"tgemm: the {plan.kernel} kernel runs tensorwise, rowwise and 128x128-"
+                      f"block scaled fp8 products")
+    else:
+        check(scales is None and wgmma_fp8.AVAILABLE and activation == "none"
+              and a.element_size() == 2 and warp_specialized_operands(a, b, out),
+              lambda: f"tgemm: the {plan.kernel} kernel runs unscaled 16-bit products of "
+                      f"K-contiguous operands with 16-byte aligned pitches into a row-major "
+                      f"output, without activation")
     (M, K), N = a.shape, b.shape[1]
     tile = plan.tile
     consumers = tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
     programs = min(num_sms(a.device), tuning.output_tiles(M, N, tile))
+    scale_args = ((*scales.strides, scales.mode == "block", scales.a_rows) if scales is not None
+                  else (0, 0, 0, 0, False, 1))
     runtime_args = (M, N, K, a.stride(0), b.stride(1), out.stride(0),
-                    bias.stride(0) if bias is not None else 0, *scales.strides,
-                    bias is not None, scales.mode == "block", scales.a_rows)
+                    bias.stride(0) if bias is not None else 0, *scale_args[:4],
+                    bias is not None, *scale_args[4:])
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
             "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
             "num_warps": 4}
-    return PreparedLaunch(wgmma_fp8.fp8_precise_kernel, (((programs,), meta, runtime_args),),
+    return PreparedLaunch(wgmma_fp8.ws_gemm_kernel, (((programs,), meta, runtime_args),),
                           None, None, plan=plan)
 
 
@@ -293,7 +303,7 @@ def _builds_descriptors(prepared: PreparedLaunch) -> bool:
     """Whether the launch's kernel builds TMA descriptors on the device (the persistent TMA
     kernel, Hopper's precise fp8 kernel): Triton then needs its scratch allocator."""
     return prepared.kernel is mm_tma_kernel or prepared.kernel is getattr(
-        wgmma_fp8, "fp8_precise_kernel", None)
+        wgmma_fp8, "ws_gemm_kernel", None)
 
 
 def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,

@@ -26,6 +26,25 @@ def base_aligned(t: torch.Tensor) -> bool:
         return type(offset) is int and offset * t.element_size() % 16 == 0
 
 
+def on_hopper_with_gluon(device: torch.device) -> bool:
+    """Whether Hopper's warp-specialized Gluon kernel (kernels/wgmma_fp8.py) can run on
+    ``device``: an sm_90 GPU, not Triton's interpreter, and a Triton that has Gluon."""
+    from ..kernels import wgmma_fp8
+
+    return (wgmma_fp8.AVAILABLE and device.type == "cuda" and not _device.interpreter_enabled()
+            and torch.cuda.is_available() and _device.capability(device) == (9, 0))
+
+
+def warp_specialized_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether Hopper's warp-specialized kernel (kernels/wgmma_fp8.py) reads these operands:
+    A and B contiguous along K (b as ``W.t()``), a row-major output, every pitch and base
+    pointer 16-byte aligned (its TMA descriptors)."""
+    return (a.stride(1) == 1 and b.stride(0) == 1 and out.stride(1) == 1
+            and all(base_aligned(t) for t in (a, b, out))
+            and all((pitch * t.element_size()) % 16 == 0
+                    for pitch, t in ((a.stride(0), a), (b.stride(1), b), (out.stride(0), out))))
+
+
 def tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,
                 element_size: int) -> tuple[bool, int, int] | None:
     """(rows contiguous?, stride of rows, stride of columns) as the TMA kernel should see a

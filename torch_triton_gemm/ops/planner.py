@@ -18,7 +18,12 @@ from .. import device as _device
 from .. import plan_cache, plan_model, tuning
 from ..kernels import wgmma_fp8
 from .launcher import GemmScales, num_sms
-from .operands import base_aligned, kernel_operands, layout_key
+from .operands import (
+    kernel_operands,
+    layout_key,
+    on_hopper_with_gluon,
+    warp_specialized_operands,
+)
 
 
 def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -41,18 +46,36 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
         if plan is not None:
             return plan
     tma_args, pads, (_, stride_ak, stride_bk, _) = kernel_operands(a, b, out)
+    # Inductor cannot parse Gluon either: traced calls keep the Triton kernels.
+    wgmma = not traceable and activation == "none" and ws_applies(a, b, out)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
                  tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
-                 _model_view(a, b, tma_args, pads))
+                 _model_view(a, b, tma_args, pads), wgmma)
+
+
+def ws_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the 16-bit plans of Hopper's warp-specialized kernel (``tuning.WS_KERNEL``) can
+    run this product: 16-bit operands it reads (``operands.warp_specialized_operands``) on an
+    sm_90 GPU whose Triton has Gluon, and no forced plan. The caller rules out activations and
+    traced calls."""
+    return (a.element_size() == 2 and _hopper_gluon(a.device)
+            and warp_specialized_operands(a, b, out))
+
+
+def _hopper_gluon(device: torch.device) -> bool:
+    """An sm_90 GPU (not Triton's interpreter) whose Triton has Gluon, and no forced plan."""
+    return tuning.forced_plan() is None and on_hopper_with_gluon(device)
 
 
 def modelled_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuning.MMPlan | None:
     """The plan model's plan for a 16-bit product with these operands (known sizes), as
-    ``plan_mm`` picks it on a GPU where no plan is forced or tuned; None where no plan of the
-    space fits. The device's numbers come from ``device``'s queries, so a benchmark can
-    ask what the planner would pick on a GPU it is not running on (bench/picks.py)."""
+    ``plan_mm`` picks it for an eager call without activation on an sm_90 GPU where no plan is
+    forced or tuned; None where no plan of the space fits. The device's numbers come from
+    ``device``'s queries, so a benchmark can ask what the planner would pick on a GPU it is not
+    running on (bench/picks.py)."""
     (M, K), N = a.shape, b.shape[1]
-    return _modelled(M, N, K, out.element_size(), a.device, model_view(a, b, out))
+    wgmma = a.element_size() == 2 and wgmma_fp8.AVAILABLE and warp_specialized_operands(a, b, out)
+    return _modelled(M, N, K, out.element_size(), a.device, model_view(a, b, out), wgmma)
 
 
 def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
@@ -73,9 +96,11 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     copy them first, and its K split in one launch, with its bits, where the copies and the
     split's extra launches (its reduction, a tail split's whole tiles) cost the host more than
     they save the GPU (``plan_model.eager_plan``). None with ``TORCH_TRITON_GEMM_EAGER_PLANS=0``
-    (``tuning.eager_plans_enabled``), for forced, tuned and transposed plans and off CUDA."""
+    (``tuning.eager_plans_enabled``), for forced, tuned, transposed and warp-specialized
+    plans (one launch already) and off CUDA."""
     (M, K), N = a.shape, b.shape[1]
-    if (plan.swap_ab or tuning.forced_plan() is not None or a.device.type != "cuda"
+    if (plan.swap_ab or plan.kernel == tuning.WS_KERNEL or tuning.forced_plan() is not None
+            or a.device.type != "cuda"
             or not tuning.eager_plans_enabled()
             or a.element_size() != 2 or not (type(M) is int and type(N) is int
                                              and type(K) is int)):
@@ -91,11 +116,11 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
 
 
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
-              view: tuple[bool, bool, bool, int]) -> tuning.MMPlan | None:
+              view: tuple[bool, bool, bool, int], wgmma: bool = False) -> tuning.MMPlan | None:
     # The plan model weighs copying operands TMA cannot describe as they are.
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
                                     _device.num_sms(device), *view,
-                                    l2_bytes=_device.l2_cache_bytes(device))
+                                    l2_bytes=_device.l2_cache_bytes(device), wgmma=wgmma)
 
 
 def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
@@ -149,15 +174,8 @@ def _fp8_precise_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     pointers, and a row-major output. A forced plan (tests, tuning) wins."""
     precise = scales.mode == "outer" and not scales.fast_accum
     blockwise = scales.mode == "block" and scales.b_cols == 128
-    if (not (precise or blockwise) or a.element_size() != 1
-            or not wgmma_fp8.AVAILABLE or tuning.forced_plan() is not None
-            or a.device.type != "cuda" or _device.interpreter_enabled()
-            or not torch.cuda.is_available() or _device.capability(a.device) != (9, 0)):
-        return False
-    return (all(base_aligned(t) for t in (a, b, out))
-            and a.stride(1) == 1 and b.stride(0) == 1 and out.stride(1) == 1
-            and a.stride(0) % 16 == 0 and b.stride(1) % 16 == 0
-            and (out.stride(0) * out.element_size()) % 16 == 0)
+    return ((precise or blockwise) and a.element_size() == 1 and _hopper_gluon(a.device)
+            and warp_specialized_operands(a, b, out))
 
 
 def _pitches(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
@@ -176,12 +194,14 @@ def _pitches(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
           out_size: int, layout: int, tma: bool, eager: bool,
           scales: GemmScales | None = None,
-          view: tuple[bool, bool, bool, int] | None = None) -> tuning.MMPlan:
+          view: tuple[bool, bool, bool, int] | None = None,
+          wgmma: bool = False) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
     operands on a GPU, the plan model's (``view``: ``_model_view``'s), else the heuristic's.
     Tuning happens here only when TORCH_TRITON_GEMM_AUTOTUNE=1 asks for it, on a plain eager
     call outside CUDA-graph capture. Scaled products (``scales``) take the
-    heuristic's plan for their recipe: tuned plans were timed on unscaled products."""
+    heuristic's plan for their recipe: tuned plans were timed on unscaled products.
+    ``wgmma``: the plan model may weigh Hopper's warp-specialized kernel (``ws_applies``)."""
     forced = tuning.forced_plan()
     if forced is not None:
         return forced
@@ -189,12 +209,14 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
     scaling, fast_accum = ("none", False) if scales is None else (scales.mode, scales.fast_accum)
     # Memoised per shape: an eager call of a small GEMM cannot afford to rebuild the plan.
     memo_key = (M, N, K, a.dtype, out_size, layout, tma, device, plan_cache.TUNED.version,
-                scaling, fast_accum, view)
+                scaling, fast_accum, view, wgmma)
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
     if device.type == "cuda" and scales is None:
         plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
+        if plan is not None and plan.kernel == tuning.WS_KERNEL and not wgmma:
+            plan = None  # tuned on an eager call; traced ones and activations cannot run it
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
             from ..tune import tune_on_first_use
@@ -204,7 +226,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
                 return tuned
     if plan is None and view is not None and device.type == "cuda" and scales is None and (
             a.element_size() == 2):
-        plan = _modelled(M, N, K, out_size, device, view)
+        plan = _modelled(M, N, K, out_size, device, view, wgmma)
     if plan is None:
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
