@@ -686,6 +686,17 @@ def test_aot_eager_compile_matches_eager_op_bitwise(dtype):
         assert torch.equal(g, c)
 
 
+def _replayed_graph_error(a: torch.Tensor, w: torch.Tensor) -> float:
+    """tg.mm(a, w.t()) captured in a CUDA graph and replayed after new values are copied into
+    ``a`` (in place): the replay's error against float64 on those values."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tg.mm(a, w.t())
+    a.copy_(randn(tuple(a.shape), a.dtype, "cuda"))
+    graph.replay()
+    return rel_error(out, reference(a, w.t()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_decode_products_run_transposed(dtype, monkeypatch):
@@ -715,12 +726,7 @@ def test_gpu_decode_products_run_transposed(dtype, monkeypatch):
         xs, ws = x.detach(), w.detach()
         compiled = torch.compile(lambda x, w: tg.mm(x, w.t()) * 2, fullgraph=True)
         assert rel_error(compiled(xs, ws), 2 * reference(xs, ws.t())) <= bound
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = tg.mm(xs, ws.t())
-        xs.copy_(randn((m, k), dtype, "cuda"))
-        graph.replay()
-        assert rel_error(static_out, reference(xs, ws.t())) <= bound
+        assert _replayed_graph_error(xs, ws) <= bound
         bias = randn((n,), dtype, "cuda")
         assert not plan_mm(xs, ws.t(), bias, out, "none", False).swap_ab
         assert rel_error(tg.mm(xs, ws.t(), bias), reference(xs, ws.t(), bias)) <= bound
@@ -762,13 +768,7 @@ def test_gpu_warp_specialized_plans_against_float64(dtype):
         plan = tuning.ws_plans(2)[-1]
         with tuning.force_plan(plan):
             assert rel_error(tg.mm(a, w.t(), bias), reference(a, w.t(), bias)) <= bound
-            static_a = a.clone()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = tg.mm(static_a, w.t())
-            static_a.copy_(randn((m, k), dtype, "cuda"))
-            graph.replay()
-            assert rel_error(static_out, reference(static_a, w.t())) <= bound
+            assert _replayed_graph_error(a.clone(), w) <= bound
     # K = 260 on 528-byte pitches (16-byte aligned), then a column-major a and a 524-byte one.
     a = randn((256, 264), dtype, "cuda")[:, :260]
     w = randn((192, 264), dtype, "cuda")[:, :260]
