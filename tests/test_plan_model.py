@@ -814,3 +814,22 @@ def test_tuned_warp_specialized_plans_load_only_as_made():
     assert not plan_cache._launchable(tuning.MMPlan(
         tuning.WS_KERNEL, dataclasses.replace(tuning.WS_TILES[2], num_stages=9)))
     assert not plan_cache._launchable(tuning.MMPlan("tma", tuning.WS_TILES[2]))
+
+
+def test_dram_scaling_is_a_rule_left_off_until_timed(h100, monkeypatch):
+    """With DRAM_SCALING off (until a held-out A/B), a GPU's own DRAM bandwidth changes no
+    constant and no pick; on, it scales the memory system's bytes per microsecond by the GPU's
+    over the fitted H100's (not one SM's draw), so a memory-bound skinny product of an H200
+    spreads its K over more SMs."""
+    costs = plan_model.H100_COSTS
+    assert not plan_model.DRAM_SCALING
+    assert plan_model.with_machine(costs, 132, None, 4814.0) is costs
+    args = (88, 9672, 6856, 2, 2, True, 132, True, False)
+    assert plan_model.modelled_plan(*args, dram_gbps=4814.0) == plan_model.modelled_plan(*args)
+    monkeypatch.setattr(plan_model, "DRAM_SCALING", True)
+    scaled = plan_model.with_machine(costs, 132, None, 4814.0).machine
+    assert scaled.bytes_per_us == pytest.approx(costs.machine.bytes_per_us * 4814 / 3352)
+    assert scaled.sm_bytes_per_us == costs.machine.sm_bytes_per_us
+    assert plan_model.with_machine(costs, 132, None, plan_model.FITTED_DRAM_GBPS) is costs
+    h200 = plan_model.modelled_plan(*args, dram_gbps=4814.0)
+    assert h200.split_k > plan_model.modelled_plan(*args).split_k

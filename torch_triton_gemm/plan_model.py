@@ -541,11 +541,12 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                out_size: int, num_sms: int, aligned: bool = True,
                narrow: bool = False, a_m_contiguous: bool = False, pitch_vector: int = 0,
                copies: int = 0, host: HostCosts = H100_HOST,
-               l2_bytes: int | None = None) -> tuning.MMPlan | None:
+               l2_bytes: int | None = None,
+               dram_gbps: float | None = None) -> tuning.MMPlan | None:
     """The plan that eager calls of a product launch instead of ``picked`` (``modelled_plan``'s,
     which CUDA-graph captures keep), or None where they launch ``picked`` too. ``copies``: the
-    operands TMA cannot read as they are (0 where ``aligned``); ``l2_bytes``: as for
-    ``modelled_plan``.
+    operands TMA cannot read as they are (0 where ``aligned``); ``l2_bytes``, ``dram_gbps``: as
+    for ``modelled_plan``.
 
     Where ``picked`` is a K split of the portable kernel with a reduction launch (and a launch
     of its whole tiles, for a tail split): the same plan in one launch (``split_inline``: each
@@ -576,7 +577,7 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     if picked.kernel != "portable" or picked.split_fixup or picked.split_inline:
         return None
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
-    costs = with_machine(H100_COSTS, num_sms, l2_bytes)
+    costs = with_machine(H100_COSTS, num_sms, l2_bytes, dram_gbps)
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
     plan = picked
@@ -595,15 +596,29 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     return inline
 
 
-def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None) -> Costs:
+# The peak DRAM bandwidth of the GPU the constants were fitted on (an H100 SXM, GB/s), and
+# whether a GPU's own scales the memory system's bytes per microsecond (with_machine; not the
+# most one SM draws, whose limit is the SM's). Off until a held-out A/B on a GPU of another
+# bandwidth (an H200: 4814 GB/s) times the picks it moves (bench.plans --dram-scaling).
+FITTED_DRAM_GBPS = 3352.0
+DRAM_SCALING = False
+
+
+def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None,
+                 dram_gbps: float | None = None) -> Costs:
     """``costs`` for a GPU with ``num_sms`` SMs and an L2 cache of ``l2_bytes`` (None: the
-    fitted GPU's), with the bandwidth of the fitted one."""
+    fitted GPU's), with the bandwidth of the fitted one, or, with DRAM_SCALING, that scaled
+    to the GPU's peak ``dram_gbps`` (None: the fitted GPU's)."""
     machine = costs.machine
     l2_bytes = machine.l2_bytes if l2_bytes is None else l2_bytes
-    if (num_sms, l2_bytes) == (machine.num_sms, machine.l2_bytes):
+    bytes_per_us = machine.bytes_per_us
+    if DRAM_SCALING and dram_gbps:
+        bytes_per_us *= dram_gbps / FITTED_DRAM_GBPS
+    if (num_sms, l2_bytes, bytes_per_us) == (machine.num_sms, machine.l2_bytes,
+                                             machine.bytes_per_us):
         return costs
     return dataclasses.replace(costs, machine=dataclasses.replace(
-        machine, num_sms=num_sms, l2_bytes=l2_bytes))
+        machine, num_sms=num_sms, l2_bytes=l2_bytes, bytes_per_us=bytes_per_us))
 
 
 
@@ -619,7 +634,8 @@ WS_PLANS = False
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
                   num_sms: int, aligned: bool, narrow: bool,
                   a_m_contiguous: bool = False, pitch_vector: int = 0,
-                  l2_bytes: int | None = None, wgmma: bool = False) -> tuning.MMPlan | None:
+                  l2_bytes: int | None = None, wgmma: bool = False,
+                  dram_gbps: float | None = None) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
@@ -629,9 +645,10 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     copy the portable kernel makes along such pitches (``cost_kernel``); ``l2_bytes``: the
     GPU's L2 cache (None: the fitted H100's); ``wgmma``: the warp-specialized kernel can run
     the product (the planner's ``ws_applies``), whose plans compete once the constants cost
-    them. None where no plan of the space fits the GPU's shared memory."""
+    them; ``dram_gbps``: the GPU's peak DRAM bandwidth (see DRAM_SCALING). None where no plan
+    of the space fits the GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
-    costs = with_machine(H100_COSTS, num_sms, l2_bytes)
+    costs = with_machine(H100_COSTS, num_sms, l2_bytes, dram_gbps)
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
     # such plans), and so the warp-specialized kernel's plans.
     fixups = "fixup" in costs.launch_us

@@ -137,12 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--csv", required=True)
     parser.add_argument("--against", default=None, metavar="CSV",
                         help="an earlier run's CSV: write only the cases whose plan changed")
+    parser.add_argument("--dram-gbps", type=float, default=None, metavar="GBPS",
+                        help="the GPU's peak DRAM bandwidth (default: an H100's, 3352; an "
+                             "H200's is 4814), which --dram-scaling plans with")
     plans.add_rule_flags(parser, ", as bench.plans times it")
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
     with contextlib.ExitStack() as rules:
         for constant, value in plans.rules_off(args):
             rules.enter_context(mock.patch.object(plan_model, constant, value))
+        if args.dram_gbps is not None:
+            rules.enter_context(mock.patch.object(_device, "dram_gbps",
+                                                  lambda device: args.dram_gbps))
         rows = picks(cases, dtypes)
     fields = list(FIELDS)
     if args.against is not None:

@@ -394,6 +394,9 @@ RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--no-narrow-overlap", "NARROW_OVERLAP_ROUND", 1.0,
      "plan as if K splits loading element by element charged every round of programs on an "
      "SM in full (plan_model.narrow_overlap off)"),
+    ("--dram-scaling", "DRAM_SCALING", True,
+     "plan with the memory system's bandwidth scaled to the GPU's peak DRAM bandwidth "
+     "(plan_model.DRAM_SCALING on)"),
     ("--wgmma", "WS_PLANS", True,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans competed where it runs the "
      "product (plan_model.WS_PLANS on)"),

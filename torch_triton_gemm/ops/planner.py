@@ -112,7 +112,8 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     return plan_model.eager_plan(plan, M, N, K, 2, out.element_size(),
                                  _device.num_sms(a.device), *view,
                                  copies=sum(pad is not None for pad in pads),
-                                 l2_bytes=_device.l2_cache_bytes(a.device))
+                                 l2_bytes=_device.l2_cache_bytes(a.device),
+                                 dram_gbps=_device.dram_gbps(a.device))
 
 
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
@@ -120,7 +121,8 @@ def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
     # The plan model weighs copying operands TMA cannot describe as they are.
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
                                     _device.num_sms(device), *view,
-                                    l2_bytes=_device.l2_cache_bytes(device), wgmma=wgmma)
+                                    l2_bytes=_device.l2_cache_bytes(device), wgmma=wgmma,
+                                    dram_gbps=_device.dram_gbps(device))
 
 
 def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
