@@ -621,7 +621,6 @@ def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None,
         machine, num_sms=num_sms, l2_bytes=l2_bytes, bytes_per_us=bytes_per_us))
 
 
-
 # Whether the warp-specialized kernel's 16-bit plans (tuning.WS_KERNEL) compete where they
 # can run a product: off. Costed by their constants below, the picks they took on held-out
 # sweeps ran 0.95x as fast as the Triton kernels' picks on an H200 (58 products of seeds

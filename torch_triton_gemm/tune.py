@@ -29,8 +29,7 @@ from .ops.launcher import launch_mm
 from .ops.operands import (
     kernel_operands,
     layout_key,
-    on_hopper_with_gluon,
-    warp_specialized_operands,
+    warp_specialized_16_bit,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
@@ -107,8 +106,7 @@ def tune_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     with graph_descriptors.off():
         # Hopper's warp-specialized kernel too where it runs the product (eager calls without
         # activation: what a tuned plan of it is used for, see planner._plan).
-        wgmma = (activation == "none" and a.element_size() == 2 and on_hopper_with_gluon(device)
-                 and warp_specialized_operands(a, b, out))
+        wgmma = activation == "none" and warp_specialized_16_bit(a, b, out)
         for plan in tuning.candidate_plans(M, N, K, a.element_size(), tma, _device.num_sms(device),
                                            a_k_contiguous=stride_ak == 1,
                                            wgmma_out_size=out.element_size() if wgmma else 0):

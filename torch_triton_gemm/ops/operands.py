@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .. import device as _device
+from ..kernels import wgmma_fp8
 
 # --- TMA eligibility ----------------------------------------------------------------------------
 # A TMA descriptor needs a 16-byte aligned base, a unit stride in its last dimension and the other
@@ -29,8 +30,6 @@ def base_aligned(t: torch.Tensor) -> bool:
 def on_hopper_with_gluon(device: torch.device) -> bool:
     """Whether Hopper's warp-specialized Gluon kernel (kernels/wgmma_fp8.py) can run on
     ``device``: an sm_90 GPU, not Triton's interpreter, and a Triton that has Gluon."""
-    from ..kernels import wgmma_fp8
-
     return (wgmma_fp8.AVAILABLE and device.type == "cuda" and not _device.interpreter_enabled()
             and torch.cuda.is_available() and _device.capability(device) == (9, 0))
 
@@ -43,6 +42,14 @@ def warp_specialized_operands(a: torch.Tensor, b: torch.Tensor, out: torch.Tenso
             and all(base_aligned(t) for t in (a, b, out))
             and all((pitch * t.element_size()) % 16 == 0
                     for pitch, t in ((a.stride(0), a), (b.stride(1), b), (out.stride(0), out))))
+
+
+def warp_specialized_16_bit(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernel runs this 16-bit product here: 16-bit operands it
+    reads (``warp_specialized_operands``) on a device it runs on (``on_hopper_with_gluon``).
+    Its callers rule out activations, traced calls and (the planner) forced plans."""
+    return (a.element_size() == 2 and on_hopper_with_gluon(a.device)
+            and warp_specialized_operands(a, b, out))
 
 
 def tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,

@@ -22,6 +22,7 @@ from .operands import (
     kernel_operands,
     layout_key,
     on_hopper_with_gluon,
+    warp_specialized_16_bit,
     warp_specialized_operands,
 )
 
@@ -55,11 +56,9 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
 
 def ws_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the 16-bit plans of Hopper's warp-specialized kernel (``tuning.WS_KERNEL``) can
-    run this product: 16-bit operands it reads (``operands.warp_specialized_operands``) on an
-    sm_90 GPU whose Triton has Gluon, and no forced plan. The caller rules out activations and
-    traced calls."""
-    return (a.element_size() == 2 and _hopper_gluon(a.device)
-            and warp_specialized_operands(a, b, out))
+    run this product (``operands.warp_specialized_16_bit``) and no plan is forced. The caller
+    rules out activations and traced calls."""
+    return tuning.forced_plan() is None and warp_specialized_16_bit(a, b, out)
 
 
 def _hopper_gluon(device: torch.device) -> bool:
