@@ -328,13 +328,14 @@ from hopper_compile import compile_for
 from torch_triton_gemm import tuning
 from torch_triton_gemm.kernels.wgmma_fp8 import CONSUMER_REGS, ws_gemm_kernel
 
-for tile, dtype, out in ((tuning.WS_TILES[0], "*bf16", "*bf16"),
-                         (tuning.WS_TILES[-1], "*fp16", "*fp16")):
-    consumers = tile.block_m // 64
+for pingpong, tile, dtype, out in ((False, tuning.WS_TILES[0], "*bf16", "*bf16"),
+                                   (False, tuning.WS_TILES[-1], "*fp16", "*fp16"),
+                                   (True, tuning.WS_PINGPONG_TILES[0], "*bf16", "*bf16")):
+    consumers = 2 if pingpong else tile.block_m // 64
     constants = dict(HAS_BIAS=True, BLOCKWISE=False, A_ROWS=1, CONSUMERS=consumers,
                      BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
                      STAGES=tile.num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-                     ws_ptr=None, locks_ptr=None, sa_ptr=None, sb_ptr=None)
+                     PINGPONG=pingpong, ws_ptr=None, locks_ptr=None, sa_ptr=None, sb_ptr=None)
     pointers = {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": out, "bias_ptr": dtype}
     aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
     kernel = compile_for(ws_gemm_kernel, pointers, constants, aligned, num_warps=4)
@@ -349,15 +350,17 @@ for tile, dtype, out in ((tuning.WS_TILES[0], "*bf16", "*bf16"),
 
 def test_warp_specialized_16_bit_kernel_compiles_for_hopper():
     """Without a GPU, Triton compiles the warp-specialized kernel's 16-bit plans for sm_90
-    (the widest and the three-consumer tile): per consumer one K step of four k16 wgmmas of
-    the tile's width, waits that leave one wgmma in flight (1) and drain it (0), register
+    (the widest and the three-consumer tile, and a ping-pong one): per consumer one K step of
+    four k16 wgmmas of the tile's width (ping-pong: two 64-row halves, eight), waits that leave
+    one wgmma (ping-pong: one pair) in flight (1, 2) and drain them (0), register
     reallocation between the partitions, TMA copies, and the shared memory that
     tuning.ws_shared_bytes counts."""
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_WS_COMPILE_SCRIPT).split("\n")
-    assert out[:2] == ["2 ['m64n256k16'] 8 ['0', '1'] True True True",
-                       "3 ['m64n128k16'] 12 ['0', '1'] True True True"], out
+    assert out[:3] == ["2 ['m64n256k16'] 8 ['0', '1'] True True True",
+                       "3 ['m64n128k16'] 12 ['0', '1'] True True True",
+                       "2 ['m64n128k16'] 16 ['0', '2'] True True True"], out
 
 
 # --- gradients ----------------------------------------------------------------------------------
@@ -750,7 +753,8 @@ def test_gpu_warp_specialized_plans_against_float64(dtype):
     if not _on_hopper_with_gluon():
         pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with a Triton that has Gluon")
     bound = tolerance(dtype, dtype)
-    for m, n, k in ((1000, 1000, 1000), (385, 520, 136), (3072, 200, 72)):
+    # (2200 x 2100: more output tiles than twice the SMs, so the ping-pong consumers alternate)
+    for m, n, k in ((1000, 1000, 1000), (385, 520, 136), (3072, 200, 72), (2200, 2100, 200)):
         a = randn((m, k), dtype, "cuda")
         w = randn((n, k), dtype, "cuda")
         bias = randn((n,), dtype, "cuda")
@@ -795,13 +799,13 @@ def test_gpu_tuning_times_warp_specialized_plans(monkeypatch):
     a = randn((1536, 1536), torch.bfloat16, "cuda")
     b = randn((1536, 1536), torch.bfloat16, "cuda").t()
     _, timings = tune.tune_mm(a, b, rep_ms=5)
-    ws = [t for t in timings if t.plan.kernel == tuning.WS_KERNEL]  # (fastest first)
+    ws = [t for t in timings if tuning.warp_specialized(t.plan)]  # (fastest first)
     assert {t.plan for t in ws} == set(tuning.ws_plans(2)) and all(t.ms is not None for t in ws)
     monkeypatch.setattr(plan_cache.TUNED, "get", lambda device, key: ws[0].plan)
     out = torch.empty(1536, 1536, device="cuda", dtype=torch.bfloat16)
     assert plan_mm(a, b, None, out, "none", False) == ws[0].plan
-    assert plan_mm(a, b, None, out, "none", True).kernel != tuning.WS_KERNEL
-    assert plan_mm(a, b, None, out, "relu", False).kernel != tuning.WS_KERNEL
+    assert not tuning.warp_specialized(plan_mm(a, b, None, out, "none", True))
+    assert not tuning.warp_specialized(plan_mm(a, b, None, out, "relu", False))
     bound = tolerance(torch.bfloat16, torch.bfloat16)
     assert rel_error(tg.mm(a, b), reference(a, b)) <= bound
     compiled = torch.compile(lambda a, b: tg.mm(a, b) * 2, fullgraph=True)

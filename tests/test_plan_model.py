@@ -803,8 +803,8 @@ def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monke
 
 def test_tuned_warp_specialized_plans_load_only_as_made():
     """The tuned-plan file takes the warp-specialized kernel's plans as ``ws_plans`` makes
-    them, and no other tile or setting of that kernel (a 192-row tile is not a power of two,
-    which the Triton kernels' plans must be)."""
+    them (its ping-pong form's too), and no other tile or setting of that kernel (a 192-row
+    tile is not a power of two, which the Triton kernels' plans must be)."""
     from torch_triton_gemm import plan_cache
 
     for tile in tuning.WS_TILES:
@@ -814,6 +814,10 @@ def test_tuned_warp_specialized_plans_load_only_as_made():
     assert not plan_cache._launchable(tuning.MMPlan(
         tuning.WS_KERNEL, dataclasses.replace(tuning.WS_TILES[2], num_stages=9)))
     assert not plan_cache._launchable(tuning.MMPlan("tma", tuning.WS_TILES[2]))
+    for tile in tuning.WS_PINGPONG_TILES:  # the ping-pong form's, as ws_plans makes them
+        assert plan_cache._launchable(tuning.MMPlan(tuning.WS_PINGPONG_KERNEL, tile))
+    assert not plan_cache._launchable(tuning.MMPlan(tuning.WS_PINGPONG_KERNEL,
+                                                    tuning.WS_TILES[2]))
 
 
 def test_dram_scaling_is_a_rule_left_off_until_timed(h100, monkeypatch):

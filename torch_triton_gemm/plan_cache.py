@@ -36,7 +36,15 @@ import torch
 import triton
 
 from . import device as _device
-from .tuning import MAX_SPLIT_K, WS_KERNEL, WS_TILES, MMPlan, size_bucket
+from .tuning import (
+    MAX_SPLIT_K,
+    WS_KERNEL,
+    WS_PINGPONG_KERNEL,
+    WS_PINGPONG_TILES,
+    WS_TILES,
+    MMPlan,
+    size_bucket,
+)
 
 try:
     import fcntl
@@ -281,6 +289,8 @@ def _launchable(plan: MMPlan) -> bool:
     tile = plan.tile
     if plan.kernel == WS_KERNEL:
         return tile in WS_TILES and plan == MMPlan(WS_KERNEL, tile)
+    if plan.kernel == WS_PINGPONG_KERNEL:
+        return tile in WS_PINGPONG_TILES and plan == MMPlan(WS_PINGPONG_KERNEL, tile)
     return (plan.kernel in ("tma", "portable")
             and all(_power_of_two(b, 16, 1024) for b in (tile.block_m, tile.block_n, tile.block_k))
             and tile.group_m >= 1 and _power_of_two(tile.num_warps, 1, 32)

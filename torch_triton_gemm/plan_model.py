@@ -168,7 +168,7 @@ def plan_work(plan: tuning.MMPlan, m: int, n: int, k: int, num_sms: int) -> Work
     tiles = tuning.output_tiles(m, n, tile)
     k_steps = max(1, -(-k // tile.block_k))
     programs = num_sms * plan.programs_per_sm
-    persistent = plan.kernel in ("tma", tuning.WS_KERNEL)
+    persistent = plan.kernel == "tma" or tuning.warp_specialized(plan)
     if plan.stream_k and persistent and plan.split_k <= 1:
         shared = tuning.stream_k_tiles(tiles, programs, plan.stream_k)
         if shared:
@@ -651,10 +651,11 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
     # such plans), and so the warp-specialized kernel's plans.
     fixups = "fixup" in costs.launch_us
-    ws_costed = wgmma and WS_PLANS and any(key[0] == tuning.WS_KERNEL for key in costs.tiles)
+    costed = {key[0] for key in costs.tiles}
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned,
-                                          wgmma_out_size=out_size if ws_costed else 0)
-             if not p.stream_k and (fixups or not p.split_fixup)]
+                                          wgmma_out_size=out_size if wgmma and WS_PLANS else 0)
+             if not p.stream_k and (fixups or not p.split_fixup)
+             and (not tuning.warp_specialized(p) or p.kernel in costed)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
     return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,

@@ -432,20 +432,35 @@ WS_TILES: tuple[TileConfig, ...] = (TileConfig(128, 256, 64, 8, 4, 3),
                                     TileConfig(192, 128, 64, 8, 4, 4))
 
 
+# The same kernel's ping-pong form (ws_gemm_kernel's PINGPONG): two consumers on alternate tiles of
+# 128 rows each, taking turns at their K loops over one ring of num_stages slots (a consumer's
+# 128 x 256 accumulator would not fit its registers).
+WS_PINGPONG_KERNEL = "wgmma-pp"
+WS_PINGPONG_TILES: tuple[TileConfig, ...] = (TileConfig(128, 128, 64, 8, 4, 5),)
+
+
+def warp_specialized(plan: MMPlan) -> bool:
+    """Whether ``plan`` runs on the warp-specialized Gluon kernel's 16-bit forms."""
+    return plan.kernel in (WS_KERNEL, WS_PINGPONG_KERNEL)
+
+
 def ws_shared_bytes(tile: TileConfig, out_size: int) -> int:
-    """Shared memory of a 16-bit plan on the warp-specialized kernel: its stages of A and B
-    tiles, a C tile (every consumer's rows) in the output's dtype, and up to 4 KiB of barriers
-    and the epilogue's layout conversions (2.1 KiB in the sm_90 build of 128x256 with a bias)."""
+    """Shared memory of a 16-bit plan on the warp-specialized kernel (either form): its stages
+    of A and B tiles, a C tile (every consumer's rows) in the output's dtype, and up to 4 KiB
+    of barriers and the epilogue's layout conversions (2.1 KiB in the sm_90 build of 128x256
+    with a bias)."""
     return (tile.num_stages * (tile.block_m + tile.block_n) * tile.block_k * 2
             + tile.block_m * tile.block_n * out_size + 4096)
 
 
 def ws_plans(out_size: int) -> list[MMPlan]:
-    """The 16-bit plans of the warp-specialized kernel (WS_TILES) whose shared memory fits the
-    GPU."""
+    """The 16-bit plans of the warp-specialized kernel (WS_TILES, and WS_PINGPONG_TILES of its
+    ping-pong form) whose shared memory fits the GPU."""
     limit = _device.shared_memory_per_block(0)
     return [MMPlan(WS_KERNEL, tile) for tile in WS_TILES
-            if ws_shared_bytes(tile, out_size) <= limit]
+            if ws_shared_bytes(tile, out_size) <= limit] + [
+        MMPlan(WS_PINGPONG_KERNEL, tile) for tile in WS_PINGPONG_TILES
+        if ws_shared_bytes(tile, out_size) <= limit]
 
 
 def fp8_precise_plans(out_size: int) -> list[MMPlan]:

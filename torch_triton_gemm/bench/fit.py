@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.fit and not args.check and not args.rebase_launches:
         parser.error("give plan-sweep CSVs to --fit on, --rebase-launches on and/or to --check")
     cost_kernels = sorted({key[0] for key in plan_model.H100_COSTS.tiles} | set(
-        plan_model.REFINES) | {tuning.WS_KERNEL})
+        plan_model.REFINES) | {tuning.WS_KERNEL, tuning.WS_PINGPONG_KERNEL})
     if args.refit is not None and args.refit not in cost_kernels:
         parser.error(f"--refit: one of {', '.join(cost_kernels)}, not {args.refit!r}")
     try:

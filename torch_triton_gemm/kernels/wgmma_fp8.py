@@ -31,6 +31,15 @@ pipeline without the promotion. Three consumers give 192-row tiles, which Triton
 blocks cannot: on an H200, 3072^3 bf16 in 86.9 us against 101.3 for tgemm's plan on the Triton
 TMA kernel (cuBLAS 81.9).
 
+Its ping-pong form (``PINGPONG``, 16-bit only; tgemm::mm's "wgmma-pp" plans) gives each of two
+consumers whole 128-row tiles of its own, alternate ones, and has them take turns at their K
+loops over one ring of slots, as CUTLASS's ping-pong kernels do: one consumer's epilogue runs
+while the other's wgmmas do, where the shared-tile form idles the tensor cores through every
+epilogue. On an H200 (bf16), 128x128 tiles with 5 stages ran seven of eight products with
+K = 256-384 1.02-1.42x as fast as tgemm's default plan (3128 x 7304 x 320: 30.4 us against
+36.3; 3264 x 6272 x 312: 0.75x), large products 2-5% slower than the shared-tile 128x256 and
+K = 440-512 ones 0.81-0.87x: autotuning weighs it, the plan model does not.
+
 Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 bytes of each row:
 128 fp8 elements (the promotion interval of cuBLAS's precise mode: the same error against
 float64) or 64 16-bit ones. Requirements, checked by the planner: A and B K-contiguous (b as
@@ -274,16 +283,15 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
-              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, stride_sak,
-              stride_sbg, stride_sbk, stride_sbn, GROUPED: gl.constexpr,
-              BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
+    def _shared_operands(a_ptr, b_ptr, c_ptr, M, N, K, b_rows, stride_am, stride_bn, stride_cm,
+                         A_SLOTS: gl.constexpr, C_TILES: gl.constexpr, READERS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The TMA descriptors of A [M, K], B's transpose [b_rows, K] and C [M, N]; STAGES
+        slots of A_SLOTS 64-row A tiles and one B tile each, C_TILES 64-row C tiles; each
+        slot's "ready" barrier and its "empty" one (READERS arrivals free it; every slot starts
+        free)."""
         # A K step is 128 bytes of each row: 128 fp8 or 64 16-bit elements.
         BLOCK_K: gl.constexpr = 1024 // a_ptr.dtype.element_ty.primitive_bitwidth
-        SCALED: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 8
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
             [_ROWS, BLOCK_K], a_ptr.dtype.element_ty)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
@@ -292,23 +300,37 @@ if AVAILABLE:
             [_ROWS, BLOCK_N], c_ptr.dtype.element_ty)
         a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
                                             block_shape=[_ROWS, BLOCK_K], layout=a_layout)
-        # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[G * N, K], strides=[stride_bn, 1],
+        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[b_rows, K], strides=[stride_bn, 1],
                                             block_shape=[BLOCK_N, BLOCK_K], layout=b_layout)
         c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                             block_shape=[_ROWS, BLOCK_N], layout=c_layout)
         a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty,
-                                           [STAGES * CONSUMERS, _ROWS, BLOCK_K], a_layout)
+                                           [STAGES * A_SLOTS, _ROWS, BLOCK_K], a_layout)
         b_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty,
                                            [STAGES, BLOCK_N, BLOCK_K], b_layout)
         c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty,
-                                           [CONSUMERS, _ROWS, BLOCK_N], c_layout)
+                                           [C_TILES, _ROWS, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)
-            mbarrier.arrive(empty.index(i), count=CONSUMERS)  # every slot starts free
+            mbarrier.init(empty.index(i), count=READERS)
+            mbarrier.arrive(empty.index(i), count=READERS)
+        return a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty
+
+    @gluon.jit
+    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
+              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, stride_sak,
+              stride_sbg, stride_sbk, stride_sbn, GROUPED: gl.constexpr,
+              BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
+              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
+        SCALED: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 8
+        # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
+        a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty = _shared_operands(
+            a_ptr, b_ptr, c_ptr, M, N, K, G * N, stride_am, stride_bn, stride_cm, CONSUMERS,
+            CONSUMERS, CONSUMERS, BLOCK_N, STAGES)
         # Partitions are listed statically: the default one (the kernel's 4 warps) is the
         # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
         if CONSUMERS == 2:
@@ -352,6 +374,128 @@ if AVAILABLE:
                                    M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
+    # --- ping-pong: each consumer on alternate tiles of its own -----------------------------
+    # With the consumers sharing a tile, both reach its epilogue together and the tensor cores
+    # idle through it. Here consumer c takes this program's tiles c, c + 2, ... (128 rows of
+    # its own: two 64-row wgmmas a K step), and the consumers take turns at their K loops
+    # (CUTLASS's ping-pong order): while one stores a tile, the other's wgmmas run. The loader
+    # fills one ring of STAGES slots tile after tile, so the consumer whose turn it is has the
+    # whole ring ahead of it; the turns also keep each consumer's waits within one phase of
+    # the ring's barriers.
+
+    @gluon.jit
+    def _pingpong_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                                 BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                                 STAGES: gl.constexpr):
+        """The loader warp: every K step of every tile of this program, in order, into the
+        ring's next slot."""
+        BLOCK_M: gl.constexpr = 2 * _ROWS
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        k_steps = gl.cdiv(K, BLOCK_K)
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        tile = gl.program_id(0)
+        step = 0
+        while tile < tiles:
+            off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                for half in gl.static_range(2):
+                    _tma_load(a_desc, [off_m + half * _ROWS, k * BLOCK_K], bar,
+                              a_bufs.index(slot * 2 + half))
+                _tma_load(b_desc, [off_n, k * BLOCK_K], bar, b_bufs.index(slot))
+                step += 1
+            tile += gl.num_programs(0)
+
+    @gluon.jit
+    def _pingpong_consumer_partition(a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs,
+                                     bias_ptr, M, N, K, stride_bias, CONSUMER: gl.constexpr,
+                                     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+                                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup: this program's tiles CONSUMER, CONSUMER + 2, ..., 128 rows each as
+        two 64-row accumulators, one K step's pair of wgmmas in flight. Its K loop waits for
+        its turn (``turns``: a barrier per consumer, passed on once its last wgmmas are
+        issued); its epilogue (bias, cast, TMA stores of each half) runs in the other's."""
+        BLOCK_M: gl.constexpr = 2 * _ROWS
+        BLOCK_K: gl.constexpr = a_bufs.shape[2]
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        vector_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        k_steps = gl.cdiv(K, BLOCK_K)
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        c_smem = c_bufs.index(CONSUMER)
+        tile = gl.program_id(0) + CONSUMER * gl.num_programs(0)
+        step = CONSUMER * k_steps  # the ring's steps of this program's tiles before this one
+        turn = 0
+        while tile < tiles:
+            off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            if HAS_BIAS:
+                cols = off_n + gl.arange(0, BLOCK_N, layout=vector_layout)
+                bias = gl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            top = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+            bottom = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+            mbarrier.wait(turns.index(CONSUMER), turn)
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                b_tile = b_bufs.index(slot).permute((1, 0))
+                top = warpgroup_mma(a_bufs.index(slot * 2), b_tile, top, is_async=True)
+                bottom = warpgroup_mma(a_bufs.index(slot * 2 + 1), b_tile, bottom,
+                                       is_async=True)
+                # The step before is done once at most this one's pair is in flight.
+                top, bottom = warpgroup_mma_wait(2, deps=(top, bottom))
+                if k > 0:
+                    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+                step += 1
+            mbarrier.arrive(turns.index(1 - CONSUMER), count=1)
+            turn ^= 1
+            top, bottom = warpgroup_mma_wait(0, deps=(top, bottom))
+            if k_steps > 0:
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            step += k_steps  # past the other consumer's next tile
+            if HAS_BIAS:
+                row_bias = gl.expand_dims(gl.convert_layout(bias.to(gl.float32), col_layout), 0)
+                top = top + row_bias
+                bottom = bottom + row_bias
+            tma.store_wait(0)  # this consumer's last store has left c_smem
+            c_smem.store(top.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m, off_n], c_smem)
+            tma.store_wait(0)
+            c_smem.store(bottom.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [off_m + _ROWS, off_n], c_smem)
+            tile += 2 * gl.num_programs(0)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _pingpong_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                       stride_bias, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
+        """ws_gemm_kernel's ping-pong form for 16-bit inputs: descriptors, one ring of STAGES
+        slots (each consumer reads whole slots), the turns' barriers, then the partitions."""
+        a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty = _shared_operands(
+            a_ptr, b_ptr, c_ptr, M, N, K, N, stride_am, stride_bn, stride_cm, 2, 2, 1, BLOCK_N,
+            STAGES)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turns.index(i), count=1)
+        mbarrier.arrive(turns.index(0), count=1)  # consumer 0's K loop goes first
+        gl.warp_specialize([
+            (_pingpong_consumer_partition, (a_bufs, b_bufs, ready, empty, turns, c_desc,
+                                            c_bufs, bias_ptr, M, N, K, stride_bias, 0, HAS_BIAS,
+                                            BLOCK_N, GROUP_M, STAGES)),
+            (_pingpong_consumer_partition, (a_bufs, b_bufs, ready, empty, turns, c_desc,
+                                            c_bufs, bias_ptr, M, N, K, stride_bias, 1, HAS_BIAS,
+                                            BLOCK_N, GROUP_M, STAGES)),
+            (_pingpong_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                                        BLOCK_N, GROUP_M, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
     # The entry kernels' leading tensors match the Triton kernels their launchers run (the
     # mm kernels': workspace and locks unused; the grouped kernel's: routing unused), so each
     # launcher runs them like those. Nothing is specialised on sizes or pitches.
@@ -362,18 +506,24 @@ if AVAILABLE:
                        BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
                        CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):
         """C = A @ B + bias for K-contiguous A [M, K] and B [K, N] (described as B's transpose
         [N, K]). fp8: (A * scale_a) @ (B * scale_b), fp32 promotion every K step; tensorwise or
         rowwise scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row
         block, K block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at
         each promotion. 16-bit inputs: no scales (sa_ptr, sb_ptr unused), accumulated by the
-        wgmmas in place. See the module docstring. Launch with num_warps=4, one program per
-        SM."""
-        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, sa_ptr, sb_ptr, 1, M, N, K, stride_am,
-              stride_bn, stride_cm, 0, stride_bias, stride_sam, stride_sak, 0, stride_sbk,
-              stride_sbn, False, BLOCKWISE, A_ROWS, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M,
-              STAGES, CONSUMER_REGS)
+        wgmmas in place; PINGPONG (16-bit only): the ping-pong form, two consumers on
+        alternate 128-row tiles (CONSUMERS unused). See the module docstring. Launch with
+        num_warps=4, one program per SM."""
+        if PINGPONG:
+            _pingpong_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
+                           stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M, STAGES,
+                           CONSUMER_REGS)
+        else:
+            _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, sa_ptr, sb_ptr, 1, M, N, K, stride_am,
+                  stride_bn, stride_cm, 0, stride_bias, stride_sam, stride_sak, 0, stride_sbk,
+                  stride_sbn, False, BLOCKWISE, A_ROWS, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M,
+                  STAGES, CONSUMER_REGS)
 
     @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,

@@ -114,7 +114,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                    out: torch.Tensor, activation: str, traceable: bool,
                    plan: tuning.MMPlan, scales: GemmScales | None) -> PreparedLaunch:
     """Work out the launch of ``plan`` (see ``launch_mm``); M and N are non-zero."""
-    if plan.kernel in (tuning.FP8_PRECISE_KERNEL, tuning.WS_KERNEL):
+    if plan.kernel in (tuning.FP8_PRECISE_KERNEL, tuning.WS_KERNEL, tuning.WS_PINGPONG_KERNEL):
         return _prepare_warp_specialized(a, b, bias, out, activation, plan, scales)
     if plan.swap_ab:
         # The kernels compute C^T = B^T A^T: the same memory seen transposed; run_launch and
@@ -285,7 +285,8 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                       f"output, without activation")
     (M, K), N = a.shape, b.shape[1]
     tile = plan.tile
-    consumers = tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
+    pingpong = plan.kernel == tuning.WS_PINGPONG_KERNEL
+    consumers = 2 if pingpong else tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
     programs = min(num_sms(a.device), tuning.output_tiles(M, N, tile))
     scale_args = ((*scales.strides, scales.mode == "block", scales.a_rows) if scales is not None
                   else (0, 0, 0, 0, False, 1))
@@ -294,7 +295,7 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
                     bias is not None, *scale_args[4:])
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
             "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
-            "num_warps": 4}
+            "PINGPONG": pingpong, "num_warps": 4}
     return PreparedLaunch(wgmma_fp8.ws_gemm_kernel, (((programs,), meta, runtime_args),),
                           None, None, plan=plan)
 

@@ -98,7 +98,7 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     (``tuning.eager_plans_enabled``), for forced, tuned, transposed and warp-specialized
     plans (one launch already) and off CUDA."""
     (M, K), N = a.shape, b.shape[1]
-    if (plan.swap_ab or plan.kernel == tuning.WS_KERNEL or tuning.forced_plan() is not None
+    if (plan.swap_ab or tuning.warp_specialized(plan) or tuning.forced_plan() is not None
             or a.device.type != "cuda"
             or not tuning.eager_plans_enabled()
             or a.element_size() != 2 or not (type(M) is int and type(N) is int
@@ -216,7 +216,7 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
         return plan
     if device.type == "cuda" and scales is None:
         plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
-        if plan is not None and plan.kernel == tuning.WS_KERNEL and not wgmma:
+        if plan is not None and tuning.warp_specialized(plan) and not wgmma:
             plan = None  # tuned on an eager call; traced ones and activations cannot run it
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
