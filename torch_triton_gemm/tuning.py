@@ -40,7 +40,9 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class MMPlan:
-    kernel: str  # "tma", "portable", "wgmma_fp8" (see fp8_precise_plan) or "wgmma" (WS_KERNEL)
+    # "tma", "portable", "wgmma_fp8" (see fp8_precise_plan), "wgmma" (WS_KERNEL) or "wgmma-pp"
+    # (WS_PINGPONG_KERNEL)
+    kernel: str
     tile: TileConfig
     split_k: int = 1
     warp_specialize: bool = False

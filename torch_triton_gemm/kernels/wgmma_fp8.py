@@ -379,35 +379,9 @@ if AVAILABLE:
     # idle through it. Here consumer c takes this program's tiles c, c + 2, ... (128 rows of
     # its own: two 64-row wgmmas a K step), and the consumers take turns at their K loops
     # (CUTLASS's ping-pong order): while one stores a tile, the other's wgmmas run. The loader
-    # fills one ring of STAGES slots tile after tile, so the consumer whose turn it is has the
-    # whole ring ahead of it; the turns also keep each consumer's waits within one phase of
-    # the ring's barriers.
-
-    @gluon.jit
-    def _pingpong_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                                 BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                                 STAGES: gl.constexpr):
-        """The loader warp: every K step of every tile of this program, in order, into the
-        ring's next slot."""
-        BLOCK_M: gl.constexpr = 2 * _ROWS
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        k_steps = gl.cdiv(K, BLOCK_K)
-        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        tile = gl.program_id(0)
-        step = 0
-        while tile < tiles:
-            off_m, off_n = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            for k in range(k_steps):
-                slot = step % STAGES
-                mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                for half in gl.static_range(2):
-                    _tma_load(a_desc, [off_m + half * _ROWS, k * BLOCK_K], bar,
-                              a_bufs.index(slot * 2 + half))
-                _tma_load(b_desc, [off_n, k * BLOCK_K], bar, b_bufs.index(slot))
-                step += 1
-            tile += gl.num_programs(0)
+    # (the shared-tile form's, with two 64-row A boxes a slot) fills one ring of STAGES slots
+    # tile after tile, so the consumer whose turn it is has the whole ring ahead of it; the
+    # turns also keep each consumer's waits within one phase of the ring's barriers.
 
     @gluon.jit
     def _pingpong_consumer_partition(a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs,
@@ -492,8 +466,9 @@ if AVAILABLE:
             (_pingpong_consumer_partition, (a_bufs, b_bufs, ready, empty, turns, c_desc,
                                             c_bufs, bias_ptr, M, N, K, stride_bias, 1, HAS_BIAS,
                                             BLOCK_N, GROUP_M, STAGES)),
-            (_pingpong_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                                        BLOCK_N, GROUP_M, STAGES)),
+            # (the shared-tile form's loader: two 64-row A boxes a slot, tile after tile)
+            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, None, 1, M, N, K,
+                               False, 2, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
     # The entry kernels' leading tensors match the Triton kernels their launchers run (the
