@@ -328,29 +328,34 @@ from hopper_compile import compile_for
 from torch_triton_gemm import tuning
 from torch_triton_gemm.kernels.wgmma_fp8 import CONSUMER_REGS, ws_gemm_kernel
 
-for pingpong, tile, dtype, out in ((False, tuning.WS_TILES[0], "*bf16", "*bf16"),
-                                   (False, tuning.WS_TILES[-1], "*fp16", "*fp16"),
-                                   (True, tuning.WS_PINGPONG_TILES[0], "*bf16", "*bf16")):
+for pingpong, split, tile, dtype, out in (
+        (False, False, tuning.WS_TILES[0], "*bf16", "*bf16"),
+        (False, False, tuning.WS_TILES[-1], "*fp16", "*fp16"),
+        (True, False, tuning.WS_PINGPONG_TILES[0], "*bf16", "*bf16"),
+        (False, True, tuning.WS_SPLIT_TILES[0], "*bf16", "*bf16")):
     consumers = 2 if pingpong else tile.block_m // 64
-    constants = dict(HAS_BIAS=True, BLOCKWISE=False, A_ROWS=1, CONSUMERS=consumers,
+    constants = dict(HAS_BIAS=not split, BLOCKWISE=False, A_ROWS=1, CONSUMERS=consumers,
                      BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
                      STAGES=tile.num_stages, CONSUMER_REGS=CONSUMER_REGS[consumers],
-                     PINGPONG=pingpong, ws_ptr=None, locks_ptr=None, sa_ptr=None, sb_ptr=None)
-    pointers = {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": out, "bias_ptr": dtype}
-    aligned = ["a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_bn", "stride_cm"]
+                     PINGPONG=pingpong, SPLIT=split, locks_ptr=None, sa_ptr=None, sb_ptr=None)
+    pointers = {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": out, "bias_ptr": dtype,
+                "ws_ptr": "*fp32"}
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "ws_ptr", "stride_am", "stride_bn", "stride_cm"]
     kernel = compile_for(ws_gemm_kernel, pointers, constants, aligned, num_warps=4)
     ptx = kernel.asm["ptx"]
     shapes = sorted(set(re.findall(r"wgmma.mma_async.sync.aligned.(m64n\\d+k16)", ptx)))
     waits = sorted(set(re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)))
     print(consumers, shapes, len(re.findall(r"wgmma.mma_async", ptx)), waits,
           "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx,
-          kernel.metadata.shared <= tuning.ws_shared_bytes(tile, 2))
+          kernel.metadata.shared <= tuning.ws_shared_bytes(tile, 2),
+          len(re.findall(r"st.global.v2.b32", ptx)))
 """
 
 
 def test_warp_specialized_16_bit_kernel_compiles_for_hopper():
     """Without a GPU, Triton compiles the warp-specialized kernel's 16-bit plans for sm_90
-    (the widest and the three-consumer tile, and a ping-pong one): per consumer one K step of
+    (the widest and the three-consumer tile, a ping-pong one, and a one-consumer K split, which
+    stores its fp32 partial in pairs of columns): per consumer one K step of
     four k16 wgmmas of the tile's width (ping-pong: two 64-row halves, eight), waits that leave
     one wgmma (ping-pong: one pair) in flight (1, 2) and drain them (0), register
     reallocation between the partitions, TMA copies, and the shared memory that
@@ -358,9 +363,10 @@ def test_warp_specialized_16_bit_kernel_compiles_for_hopper():
     if torch.cuda.is_available():
         pytest.skip("compiles for a fixed GPU target on a GPU-less host; the GPU tests run it")
     out = _run_without_interpreter(_WS_COMPILE_SCRIPT).split("\n")
-    assert out[:3] == ["2 ['m64n256k16'] 8 ['0', '1'] True True True",
-                       "3 ['m64n128k16'] 12 ['0', '1'] True True True",
-                       "2 ['m64n128k16'] 16 ['0', '2'] True True True"], out
+    assert out[:4] == ["2 ['m64n256k16'] 8 ['0', '1'] True True True 0",
+                       "3 ['m64n128k16'] 12 ['0', '1'] True True True 0",
+                       "2 ['m64n128k16'] 16 ['0', '2'] True True True 0",
+                       "1 ['m64n128k16'] 4 ['0', '1'] True True True 32"], out
 
 
 # --- gradients ----------------------------------------------------------------------------------
@@ -785,6 +791,56 @@ def test_gpu_warp_specialized_plans_against_float64(dtype):
         launch_mm(odd, w.t(), None, out, "none", False, tuning.ws_plans(2)[0])
 
 
+def a_gpu() -> torch.device:
+    return torch.device("cuda")
+
+
+def _split_plans_to_test(m: int, n: int, k: int, out_size: int) -> list[tuning.MMPlan]:
+    """Of each tile of ``tuning.ws_split_plans``, its fewest and most K splits (and the
+    64-row tiles unsplit)."""
+    plans = tuning.ws_split_plans(m, n, k, 2, out_size, tgemm_device.num_sms(a_gpu()))
+    kept = []
+    for tile in dict.fromkeys(p.tile for p in plans):
+        splits = sorted(p.split_k for p in plans if p.tile == tile)
+        kept += [tuning.MMPlan(tuning.WS_KERNEL, tile, s) for s in dict.fromkeys(
+            (splits[0], splits[-1]) if splits[0] > 1 else (1, splits[1], splits[-1])
+            if len(splits) > 1 else (1,))]
+    return kept
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_warp_specialized_k_splits_against_float64(dtype):
+    """The warp-specialized kernel's K splits (tuning.ws_split_plans; 64-row tiles unsplit
+    too) on products of few rows with ragged M, N and K edges, with and without a bias, into
+    NaN-poisoned outputs (the dtype, and fp32): every element written, within the dtype's
+    tolerance of float64, the same bits again; tg.mm under a forced split plan and replayed in
+    a CUDA graph with new operands."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    bound = tolerance(dtype, dtype)
+    for m, n, k in ((16, 1000, 4104), (64, 2056, 2000), (130, 520, 1032)):
+        a = randn((m, k), dtype, "cuda")
+        w = randn((n, k), dtype, "cuda")
+        bias = randn((n,), dtype, "cuda")
+        ref = {b is None: reference(a, w.t(), b) for b in (None, bias)}
+        for out_dtype in (dtype, torch.float32):
+            plans = _split_plans_to_test(m, n, k, out_dtype.itemsize)
+            assert any(p.split_k > 2 for p in plans), (m, n, k)
+            for plan in plans:
+                for b in (None, bias):
+                    out = _poisoned((m, n), out_dtype, "cuda")
+                    launch_mm(a, w.t(), b, out, "none", False, plan)
+                    assert rel_error(out, ref[b is None]) <= bound, (m, n, k, plan, out_dtype)
+                    again = _poisoned((m, n), out_dtype, "cuda")
+                    launch_mm(a, w.t(), b, again, "none", False, plan)
+                    assert torch.equal(out, again), (m, n, k, plan)
+        plan = max(_split_plans_to_test(m, n, k, 2), key=lambda p: p.split_k)
+        with tuning.force_plan(plan):
+            assert rel_error(tg.mm(a, w.t(), bias), ref[False]) <= bound
+            assert _replayed_graph_error(a.clone(), w) <= bound
+
+
 @pytest.mark.gpu
 def test_gpu_tuning_times_warp_specialized_plans(monkeypatch):
     """Autotuning times the warp-specialized kernel's plans too where it runs the product, each
@@ -800,7 +856,9 @@ def test_gpu_tuning_times_warp_specialized_plans(monkeypatch):
     b = randn((1536, 1536), torch.bfloat16, "cuda").t()
     _, timings = tune.tune_mm(a, b, rep_ms=5)
     ws = [t for t in timings if tuning.warp_specialized(t.plan)]  # (fastest first)
-    assert {t.plan for t in ws} == set(tuning.ws_plans(2)) and all(t.ms is not None for t in ws)
+    assert {t.plan for t in ws} == set(tuning.ws_plans(2)) | set(tuning.ws_split_plans(
+        1536, 1536, 1536, 2, 2, tgemm_device.num_sms(a_gpu()))) and all(
+        t.ms is not None for t in ws)
     monkeypatch.setattr(plan_cache.TUNED, "get", lambda device, key: ws[0].plan)
     out = torch.empty(1536, 1536, device="cuda", dtype=torch.bfloat16)
     assert plan_mm(a, b, None, out, "none", False) == ws[0].plan

@@ -778,8 +778,8 @@ def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monke
     assert {p.tile.block_m for p in ws} == {128, 192}
     candidates = list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132))
     assert not any(p.kernel == tuning.WS_KERNEL for p in candidates)
-    assert list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132,
-                                       wgmma_out_size=2)) == candidates + ws
+    assert list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132, wgmma_out_size=2)) == (
+        candidates + ws + tuning.ws_split_plans(3072, 3072, 3072, 2, 2, 132))
     for out_size in (2, 4):
         assert all(tuning.ws_shared_bytes(p.tile, out_size) <= H100_SHARED_MEMORY
                    for p in tuning.ws_plans(out_size))
@@ -801,16 +801,52 @@ def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monke
     assert plan_model.modelled_plan(*args, wgmma=True).kernel == tuning.WS_KERNEL
 
 
+def test_warp_specialized_k_splits(h100):
+    """``ws_split_plans``: every split keeps WS_MIN_STEPS_PER_SPLIT K steps of 128 bytes and
+    splits K into exactly that many parts, the units (tiles x splits) stay within four waves,
+    shared memory fits; fp8 takes the 128-column tiles only (blockwise scale_b is one per 128
+    columns) on the precise kernel; 64-row tiles run unsplit too; a product with enough tiles
+    gets no split."""
+    decode = tuning.ws_split_plans(16, 6144, 4096, 2, 2, 132)
+    assert {p.split_k for p in decode} >= {1, 2, 8} and all(
+        p.kernel == tuning.WS_KERNEL for p in decode)
+    for (m, n, k, size), plans in (((16, 6144, 4096, 2), decode),
+                                   ((128, 6144, 4096, 1), tuning.ws_split_plans(
+                                       128, 6144, 4096, 1, 2, 132))):
+        step = 128 // size
+        for p in plans:
+            tiles = tuning.output_tiles(m, n, p.tile)
+            if p.split_k == 1:
+                assert p.tile.block_m == 64
+                continue
+            assert tuning.effective_split(k, step, p.split_k)[0] == p.split_k
+            assert -(-k // step) >= p.split_k * tuning.WS_MIN_STEPS_PER_SPLIT
+            assert tiles * p.split_k <= 4 * 132
+        if size == 1:
+            assert plans and all(p.kernel == tuning.FP8_PRECISE_KERNEL and p.tile.block_n == 128
+                                 for p in plans)
+    for out_size in (2, 4):
+        assert all(tuning.ws_shared_bytes(p.tile, out_size) <= H100_SHARED_MEMORY
+                   for p in tuning.ws_split_plans(64, 4096, 8192, 2, out_size, 132))
+    assert all(p.split_k == 1 for p in tuning.ws_split_plans(8192, 8192, 8192, 2, 2, 132))
+    assert not tuning.ws_split_plans(64, 4096, 256, 2, 2, 132)[2:]  # 4 steps: 64-row, unsplit
+
+
 def test_tuned_warp_specialized_plans_load_only_as_made():
-    """The tuned-plan file takes the warp-specialized kernel's plans as ``ws_plans`` makes
-    them (its ping-pong form's too), and no other tile or setting of that kernel (a 192-row
-    tile is not a power of two, which the Triton kernels' plans must be)."""
+    """The tuned-plan file takes the warp-specialized kernel's plans as ``ws_plans`` and
+    ``ws_split_plans`` make them (its ping-pong form's too), and no other tile or setting of
+    that kernel (a 192-row tile is not a power of two, which the Triton kernels' plans must
+    be)."""
     from torch_triton_gemm import plan_cache
 
     for tile in tuning.WS_TILES:
         assert plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tile))
-    assert not plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tuning.WS_TILES[0],
-                                                    split_k=2))
+    for plan in tuning.ws_split_plans(64, 4096, 8192, 2, 2, 132):  # K splits, as made
+        assert plan_cache._launchable(plan)
+    assert not plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tuning.WS_TILES[2],
+                                                    split_k=2))  # (192 rows: not a split tile)
+    assert not plan_cache._launchable(tuning.MMPlan(tuning.WS_KERNEL, tuning.WS_SPLIT_TILES[0],
+                                                    split_k=tuning.MAX_SPLIT_K + 1))
     assert not plan_cache._launchable(tuning.MMPlan(
         tuning.WS_KERNEL, dataclasses.replace(tuning.WS_TILES[2], num_stages=9)))
     assert not plan_cache._launchable(tuning.MMPlan("tma", tuning.WS_TILES[2]))

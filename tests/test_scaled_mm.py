@@ -1128,6 +1128,43 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_gpu_precise_kernel_k_splits(recipe):
+    """The precise kernel's K splits (tuning.ws_split_plans for fp8: each split's partial
+    scaled, or its blockwise scales applied at each step, then added by the reduction, which
+    adds the bias), forced, on products of few rows with ragged edges: every output element
+    written (NaN-poisoned, fp32 and bf16 out), fp32 within 1.25x torch._scaled_mm's precise
+    error against float64 (blockwise: 1e-3, the unsplit kernel's bound), the same bits
+    again."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    for m, n, k in ((16, 1040, 4224), (130, 2056, 2048)):  # (torch: N a multiple of 16)
+        a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda", E4M3, E4M3)
+        if recipe == "tensorwise":
+            sa, sb = sa.reshape(()), sb.reshape(())
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ref = reference(a, b, sa, sb, recipe, recipe, bias)
+        bound = 1e-3
+        if recipe != "blockwise":
+            theirs = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32)
+            bound = 1.25 * rel_error(theirs, ref) + 1e-7
+        plans = tuning.ws_split_plans(m, n, k, 1, 4, tgemm_device.num_sms(a.device))
+        assert {p.tile.block_m for p in plans if p.split_k > 2} == {64, 128}, (m, n, k)
+        for plan in plans:
+            for out_dtype in (torch.float32, torch.bfloat16):
+                out_dtype, checked = _check_inputs(a, b, sa, sb, bias, out_dtype)
+                outs = []
+                for _ in range(2):
+                    outs.append(_poisoned((m, n), out_dtype, "cuda"))
+                    with tuning.force_plan(plan):
+                        launch_scaled_mm(a, b, sa, sb, bias, outs[-1], checked, False,
+                                         traceable=False)
+                assert torch.equal(outs[0], outs[1]), (m, n, k, plan)
+                assert rel_error(outs[0], ref) <= (
+                    bound if out_dtype == torch.float32 else TOLERANCE), (m, n, k, plan)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_gpu_few_rows_run_transposed(recipe, fast, monkeypatch):

@@ -41,6 +41,7 @@ from .tuning import (
     WS_KERNEL,
     WS_PINGPONG_KERNEL,
     WS_PINGPONG_TILES,
+    WS_SPLIT_TILES,
     WS_TILES,
     MMPlan,
     size_bucket,
@@ -285,10 +286,12 @@ def _launchable(plan: MMPlan) -> bool:
     blocks of 16 to 1024 (tl.dot's least size; no larger tile fits an SM), a launch shape a
     GPU takes, K splits up to tuning's limit (each costs fp32 workspace), stream-K over at
     most a few waves, not transposed (tuning times plans as they are, untransposed); or one
-    of the warp-specialized kernel's plans as ``ws_plans`` makes them."""
+    of the warp-specialized kernel's plans as ``ws_plans`` and ``ws_split_plans`` make them."""
     tile = plan.tile
     if plan.kernel == WS_KERNEL:
-        return tile in WS_TILES and plan == MMPlan(WS_KERNEL, tile)
+        return (tile in WS_TILES and plan == MMPlan(WS_KERNEL, tile)) or (
+            tile in WS_SPLIT_TILES and 1 <= plan.split_k <= MAX_SPLIT_K
+            and plan == MMPlan(WS_KERNEL, tile, plan.split_k))
     if plan.kernel == WS_PINGPONG_KERNEL:
         return tile in WS_PINGPONG_TILES and plan == MMPlan(WS_PINGPONG_KERNEL, tile)
     return (plan.kernel in ("tma", "portable")

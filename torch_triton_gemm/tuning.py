@@ -465,6 +465,50 @@ def ws_plans(out_size: int) -> list[MMPlan]:
         if ws_shared_bytes(tile, out_size) <= limit]
 
 
+# K splits of the same kernel (ws_gemm_kernel's SPLIT, 16-bit and precise fp8) for products
+# whose tiles leave SMs idle, decode-like and few-row ones above all: each SM streams its
+# share of the weights through the loader's TMA ring, and the fp32 partials are added by
+# splitk_reduce_kernel. 64-row tiles (one consumer) for up to 64 rows.
+WS_SPLIT_TILES: tuple[TileConfig, ...] = (TileConfig(64, 128, 64, 8, 4, 6),
+                                          TileConfig(64, 256, 64, 8, 4, 4),
+                                          TileConfig(128, 128, 64, 8, 4, 4),
+                                          TileConfig(128, 256, 64, 8, 4, 3))
+WS_SPLIT_COUNTS = (2, 3, 4, 6, 8, 12)
+# A split keeps at least this many K steps (128 bytes of a row each).
+WS_MIN_STEPS_PER_SPLIT = 4
+
+
+def ws_split_plans(m: int, n: int, k: int, element_size: int, out_size: int,
+                   num_sms: int) -> list[MMPlan]:
+    """The warp-specialized kernel's plans with K splits for an m x n x k product (16-bit, or
+    precise fp8 for ``element_size`` 1: 128-column tiles, which blockwise scales need): every
+    WS_SPLIT_TILES tile whose shared memory fits, split WS_SPLIT_COUNTS ways where each split
+    keeps WS_MIN_STEPS_PER_SPLIT K steps and the units (tiles x splits) stay within four
+    waves of SMs; the 64-row tiles unsplit too. What the plan sweep and autotuning time."""
+    limit = _device.shared_memory_per_block(0)
+    step = 128 // element_size  # K elements a step
+    steps = -(-k // step)
+    plans = []
+    for tile in WS_SPLIT_TILES:
+        if element_size == 1:
+            if tile.block_n != 128:
+                continue
+            kernel = FP8_PRECISE_KERNEL
+            fits = _fp8_precise_shared(tile.block_m // 64, tile.num_stages, out_size) <= limit
+        else:
+            kernel = WS_KERNEL
+            fits = ws_shared_bytes(tile, out_size) <= limit
+        if not fits:
+            continue
+        tiles = output_tiles(m, n, tile)
+        for split in ((1,) if tile.block_m == 64 else ()) + WS_SPLIT_COUNTS:
+            if split > 1 and (steps < split * WS_MIN_STEPS_PER_SPLIT or tiles * split > 4 * num_sms
+                              or effective_split(k, step, split)[0] != split):
+                continue
+            plans.append(MMPlan(kernel, tile, split))
+    return plans
+
+
 def fp8_precise_plans(out_size: int) -> list[MMPlan]:
     """Every plan of the precise fp8 kernel whose shared memory fits the GPU (2 or 3
     consumers, 3 to 5 stages, L2 bands of 4 to 16 tile rows): what the plan sweep times."""
@@ -1126,7 +1170,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
     """Plans worth timing for one shape: every tile of the space that suits its size, unsplit
     and split to fill the SMs, on each kernel the operands allow; the heuristic's plan first;
     last, where Hopper's warp-specialized kernel runs the product (``wgmma_out_size``: the
-    output's element size, see ``plan_space``), its plans (``ws_plans``)."""
+    output's element size, see ``plan_space``), its plans (``ws_plans``, ``ws_split_plans``)."""
     smem = _device.shared_memory_per_block(0)
     seen = set()
     first = heuristic_mm_plan(m, n, k, element_size, tma, num_sms,
@@ -1162,6 +1206,7 @@ def candidate_plans(m: int, n: int, k: int, element_size: int, tma: bool,
                         yield candidate
     if wgmma_out_size:
         yield from ws_plans(wgmma_out_size)
+        yield from ws_split_plans(m, n, k, element_size, wgmma_out_size, num_sms)
 
 
 # The space the planner's rules choose from (and the plan sweep times): tiles for 2-byte inputs.

@@ -173,14 +173,18 @@ def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned:
              out_size: int = 2, wide: bool = False, wgmma: bool = False) -> list[tuning.MMPlan]:
     """The plans timed for ``case``: the plan space (``wide``: without its size and width
     rules, see ``tuning.plan_space``; ``wgmma``: with the 16-bit plans of Hopper's
-    warp-specialized kernel, where it runs the product), for an fp8 product whose recipe
-    Hopper's precise fp8 kernel runs (tensorwise or rowwise without fast accumulation,
-    blockwise) on a GPU with TMA, every plan of that kernel, and for products of few rows (not
-    blockwise) the transposed candidates (``tuning.transposed_plans``)."""
+    warp-specialized kernel, where it runs the product, and its K splits), for an fp8 product
+    whose recipe Hopper's precise fp8 kernel runs (tensorwise or rowwise without fast
+    accumulation, blockwise) on a GPU with TMA, every plan of that kernel (its K splits too),
+    and for products of few rows (not blockwise) the transposed candidates
+    (``tuning.transposed_plans``)."""
     plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
                                    aligned, wide, out_size if wgmma else 0))
+    if wgmma:
+        plans += tuning.ws_split_plans(case.m, case.n, case.k, element_size, out_size, num_sms)
     if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
         plans += tuning.fp8_precise_plans(out_size)
+        plans += tuning.ws_split_plans(case.m, case.n, case.k, 1, out_size, num_sms)
     if not (isinstance(case, ScaledCase) and case.recipe == "blockwise"):
         plans += tuning.transposed_plans(case.m, element_size)
     return plans

@@ -40,6 +40,12 @@ K = 256-384 1.02-1.42x as fast as tgemm's default plan (3128 x 7304 x 320: 30.4 
 36.3; 3264 x 6272 x 312: 0.75x), large products 2-5% slower than the shared-tile 128x256 and
 K = 440-512 ones 0.81-0.87x: autotuning weighs it, the plan model does not.
 
+With ``SPLIT`` (not ping-pong) each tile's K is cut into splits, work units numbered split by
+split as the Triton kernels' K splits are; a unit's fp32 partial (scaled, without bias) goes to
+a workspace slot and splitk_reduce_kernel (kernels/matmul.py) adds them in split order and runs
+the epilogue: products whose tiles leave SMs idle, few-row ones above all, then stream their
+operands on every SM. One consumer (64-row tiles) suits products of up to 64 rows.
+
 Tiles are persistent (one CTA per SM) in L2-grouped order. A K step is 128 bytes of each row:
 128 fp8 elements (the promotion interval of cuBLAS's precise mode: the same error against
 float64) or 64 16-bit ones. Requirements, checked by the planner: A and B K-contiguous (b as
@@ -72,8 +78,9 @@ BLOCK_K = 128  # fp8 elements per K step (one promotion); 16-bit steps take 64 (
 SCALE_BLOCK = 128  # blockwise scales: one per 128 of K, and scale_b one per 128 columns
 # Registers per thread of the consumer warpgroups, for two or three of them: a 64x128 fp32
 # accumulator and the step's partial sum (64 each) fit either way; three consumers must leave
-# room in the SM's 64K registers for each other and the loader.
-CONSUMER_REGS = {2: 232, 3: 160}
+# room in the SM's 64K registers for each other and the loader. (One consumer is the
+# kernel's default partition, which keeps what the loader leaves.)
+CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
 
 if AVAILABLE:
     _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
@@ -122,32 +129,52 @@ if AVAILABLE:
         m1 = _group_end(offs_ptr, 0, 0, M, GROUPED)
         return 0, 0, m1, 0, gl.cdiv(m1, BLOCK_M) * gl.cdiv(N, BLOCK_N)
 
-    # Both partitions walk this program's tiles the same way: tiles numbered group after group
-    # (each group's [m0, m1) rows x N columns in L2-grouped order), every num_programs-th from
-    # the program id on, so the loader's K steps and the consumers' match one for one.
+    @gluon.jit
+    def _unit_work(unit, tiles_before, m0, m1, N, k_steps, split_steps, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+        """(row, column, first and end K step) of work unit ``unit`` of its group: a tile of the
+        group's [m0, m1) rows, all of K, or with K splits (split_steps < k_steps; one group)
+        split ``(unit - tiles_before) // tiles``'s K steps of tile ``... % tiles``: units run
+        split-major, as the Triton kernels' (kernels/matmul.py's work_unit) and the partials'
+        reduction (splitk_reduce_kernel) number them."""
+        tiles = gl.cdiv(m1 - m0, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        index = unit - tiles_before
+        split = index // tiles
+        off_m, off_n = _tile_offsets(index - split * tiles, m1 - m0, N, BLOCK_M, BLOCK_N,
+                                     GROUP_M)
+        k0 = split * split_steps
+        return off_m + m0, off_n, k0, gl.minimum(k0 + split_steps, k_steps)
+
+    # Both partitions walk this program's work units the same way: tiles numbered group after
+    # group (each group's [m0, m1) rows x N columns in L2-grouped order; with K splits, one
+    # group's tiles once per split), every num_programs-th from the program id on, so the
+    # loader's K steps and the consumers' match one for one.
 
     @gluon.jit
-    def _load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K,
-                        GROUPED: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
-                        GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """The loader warp: every K step of every tile of this program, in order, into the
-        next slot once its consumers have released it."""
+    def _load_partition(operands, GROUPED: gl.constexpr, CONSUMERS: gl.constexpr,
+                        BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loader warp: every K step of every work unit of this program, in order, into
+        the next slot once its consumers have released it. ``operands``: the descriptors,
+        shared buffers, barriers and sizes (_gemm's ``loader``)."""
+        (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K, splits,
+         k_per_split) = operands
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         k_steps = gl.cdiv(K, BLOCK_K)
+        split_steps = gl.cdiv(k_per_split, BLOCK_K)
         tile = gl.program_id(0)
         g, m0, m1, tiles_before, tiles_end = _first_group(offs_ptr, M, N, BLOCK_M, BLOCK_N,
                                                           GROUPED)
+        tiles_end = tiles_end * splits
         g, m0, m1, tiles_before, tiles_end = _to_group_of(
             tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
             GROUPED)
         step = 0
         while tile < tiles_end:
-            off_m, off_n = _tile_offsets(tile - tiles_before, m1 - m0, N, BLOCK_M, BLOCK_N,
-                                         GROUP_M)
-            off_m += m0
+            off_m, off_n, k0, k1 = _unit_work(tile, tiles_before, m0, m1, N, k_steps,
+                                              split_steps, BLOCK_M, BLOCK_N, GROUP_M)
             off_b = g * N + off_n  # B's groups are stacked along its rows
-            for k in range(k_steps):
+            for k in range(k0, k1):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
                 bar = ready.index(slot)
@@ -164,21 +191,23 @@ if AVAILABLE:
                 GROUPED)
 
     @gluon.jit
-    def _consumer_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr,
-                            offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_cm, stride_bias_g,
-                            stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk,
-                            stride_sbn, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+    def _consumer_partition(operands, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
                             GROUPED: gl.constexpr, SCALED: gl.constexpr, BLOCKWISE: gl.constexpr,
-                            A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
                             BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                             STAGES: gl.constexpr):
-        """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every tile of this
+        """One warpgroup: rows [64 * CONSUMER, 64 * CONSUMER + 64) of every work unit of this
         program. SCALED (fp8): each K step's wgmma promoted into fp32 (times the step's scales
         when BLOCKWISE: scale_a per A_ROWS rows, scale_b one per 128 columns; else the outer
         scales in the epilogue); 16-bit inputs accumulate in the wgmma's own fp32 accumulator,
         one wgmma left in flight while the next waits for its operands. Then the epilogue:
         stored by TMA, or through pointers masked at the group's last row where a GROUPED
-        tile passes it."""
+        tile passes it; a SPLIT unit's fp32 partial (scaled, no bias) goes into its workspace
+        slot ``ws_ptr[unit]`` for the reduction to add. ``operands``: the shared buffers,
+        barriers, tensors and sizes (_gemm's ``shared``)."""
+        (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr, ws_ptr, offs_ptr, sa_ptr,
+         sb_ptr, G, M, N, K, splits, k_per_split, stride_cm, stride_bias_g, stride_bias_n,
+         stride_sam, stride_sak, stride_sbg, stride_sbk, stride_sbn) = operands
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         INSTR_K: gl.constexpr = 32 if SCALED else 16
@@ -188,19 +217,21 @@ if AVAILABLE:
         col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
         vector_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         k_steps = gl.cdiv(K, BLOCK_K)
+        split_steps = gl.cdiv(k_per_split, BLOCK_K)
         zero = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         c_smem = c_bufs.index(CONSUMER)
         tile = gl.program_id(0)
         g, m0, m1, tiles_before, tiles_end = _first_group(offs_ptr, M, N, BLOCK_M, BLOCK_N,
                                                           GROUPED)
+        tiles_end = tiles_end * splits
         g, m0, m1, tiles_before, tiles_end = _to_group_of(
             tile, g, m0, m1, tiles_before, tiles_end, offs_ptr, G, M, N, BLOCK_M, BLOCK_N,
             GROUPED)
         step = 0
         while tile < tiles_end:
-            off_m, off_n = _tile_offsets(tile - tiles_before, m1 - m0, N, BLOCK_M, BLOCK_N,
-                                         GROUP_M)
-            off_m += m0 + CONSUMER * _ROWS
+            off_m, off_n, k0, k1 = _unit_work(tile, tiles_before, m0, m1, N, k_steps,
+                                              split_steps, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m += CONSUMER * _ROWS
             # The epilogue's scales and bias, loaded now so that their latency hides under the
             # K loop, and held one element a thread until then (no registers to spare).
             rows = off_m + gl.arange(0, _ROWS, layout=vector_layout)
@@ -217,11 +248,11 @@ if AVAILABLE:
                 step_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
                 sa_ptrs = sa_ptr + (step_rows // A_ROWS) * stride_sam
                 sb_step = sb_ptr + (off_n // _SCALE_BLOCK) * stride_sbn
-                sa_next = gl.load(sa_ptrs, mask=step_rows < M, other=0.0)
-                sb_next = gl.load(sb_step)
+                sa_next = gl.load(sa_ptrs + k0 * stride_sak, mask=step_rows < M, other=0.0)
+                sb_next = gl.load(sb_step + k0 * stride_sbk)
             acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
             if not SCALED:
-                for k in range(k_steps):
+                for k in range(k0, k1):
                     slot = step % STAGES
                     mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                     acc = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
@@ -229,14 +260,14 @@ if AVAILABLE:
                     # The step before is done once at most this one is in flight: its slot
                     # goes back to the loader.
                     acc = warpgroup_mma_wait(1, deps=(acc,))
-                    if k > 0:
+                    if k > k0:
                         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
                     step += 1
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                if k_steps > 0:
+                if k1 > k0:
                     mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
             else:
-                for k in range(k_steps):
+                for k in range(k0, k1):
                     slot = step % STAGES
                     mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                     part = warpgroup_mma(a_bufs.index(slot * CONSUMERS + CONSUMER),
@@ -244,7 +275,7 @@ if AVAILABLE:
                                          is_async=True)
                     if BLOCKWISE:
                         step_scale = sa_next * sb_next
-                        more = k + 1 < k_steps
+                        more = k + 1 < k1
                         sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
                                           mask=(step_rows < M) & more, other=0.0)
                         sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
@@ -263,7 +294,19 @@ if AVAILABLE:
             if HAS_BIAS:
                 bias = gl.convert_layout(bias.to(gl.float32), col_layout)
                 acc = acc + gl.expand_dims(bias, 0)
-            if GROUPED and off_m + _ROWS > m1:
+            if SPLIT:
+                # The unit's slot holds its [BLOCK_M, BLOCK_N] partial, this consumer's rows
+                # from 64 * CONSUMER on; rows past M are neither stored nor read by the
+                # reduction (a decode product's 16 rows store a quarter of a slot). Columns
+                # past N (zeros) are: a mask along the columns would split the stores'
+                # column pairs.
+                slot_rows = CONSUMER * _ROWS + gl.arange(0, _ROWS, layout=row_layout)
+                slot_cols = gl.arange(0, BLOCK_N, layout=col_layout)
+                ptrs = (ws_ptr + tile.to(gl.int64) * (BLOCK_M * BLOCK_N)
+                        + gl.expand_dims(slot_rows * BLOCK_N, 1) + gl.expand_dims(slot_cols, 0))
+                in_m = gl.expand_dims(off_m - CONSUMER * _ROWS + slot_rows < M, 1)
+                gl.store(ptrs, acc, mask=in_m & gl.expand_dims(slot_cols < BLOCK_N, 0))
+            elif GROUPED and off_m + _ROWS > m1:
                 # The group's last rows: a store masked at its end (TMA would clip at M only).
                 out_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
                 out_cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
@@ -319,12 +362,13 @@ if AVAILABLE:
         return a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty
 
     @gluon.jit
-    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
-              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, stride_sak,
-              stride_sbg, stride_sbk, stride_sbn, GROUPED: gl.constexpr,
-              BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+              splits, k_per_split, stride_am, stride_bn, stride_cm, stride_bias_g,
+              stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk, stride_sbn,
+              GROUPED: gl.constexpr, BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
+              HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, CONSUMERS: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMER_REGS: gl.constexpr):
         """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
         SCALED: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 8
         # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
@@ -333,45 +377,35 @@ if AVAILABLE:
             CONSUMERS, CONSUMERS, BLOCK_N, STAGES)
         # Partitions are listed statically: the default one (the kernel's 4 warps) is the
         # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
-        if CONSUMERS == 2:
+        shared = (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr, ws_ptr,
+                  offs_ptr, sa_ptr, sb_ptr, G, M, N, K, splits, k_per_split, stride_cm,
+                  stride_bias_g, stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk,
+                  stride_sbn)
+        loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K, splits,
+                  k_per_split)
+        if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
-                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
-                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
-                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
-                                       BLOCK_N, GROUP_M, STAGES)),
-                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
-                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
-                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
-                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
-                                       BLOCK_N, GROUP_M, STAGES)),
-                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
-                                   M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (shared, 0, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_load_partition, (loader, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+            ], [1], [24])
+        elif CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer_partition, (shared, 0, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (shared, 1, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_load_partition, (loader, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
-                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
-                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 0,
-                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
-                                       BLOCK_N, GROUP_M, STAGES)),
-                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
-                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
-                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 1,
-                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
-                                       BLOCK_N, GROUP_M, STAGES)),
-                (_consumer_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr,
-                                       bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-                                       stride_cm, stride_bias_g, stride_bias_n, stride_sam,
-                                       stride_sak, stride_sbg, stride_sbk, stride_sbn, 2,
-                                       CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS, HAS_BIAS,
-                                       BLOCK_N, GROUP_M, STAGES)),
-                (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G,
-                                   M, N, K, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (shared, 0, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (shared, 1, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_consumer_partition, (shared, 2, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
+                                       HAS_BIAS, SPLIT, BLOCK_N, GROUP_M, STAGES)),
+                (_load_partition, (loader, GROUPED, CONSUMERS, BLOCK_N, GROUP_M, STAGES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
     # --- ping-pong: each consumer on alternate tiles of its own -----------------------------
@@ -467,38 +501,44 @@ if AVAILABLE:
                                             c_bufs, bias_ptr, M, N, K, stride_bias, 1, HAS_BIAS,
                                             BLOCK_N, GROUP_M, STAGES)),
             # (the shared-tile form's loader: two 64-row A boxes a slot, tile after tile)
-            (_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, None, 1, M, N, K,
-                               False, 2, BLOCK_N, GROUP_M, STAGES)),
+            (_load_partition, ((a_desc, b_desc, a_bufs, b_bufs, ready, empty, None, 1, M, N, K,
+                                1, K), False, 2, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
     # The entry kernels' leading tensors match the Triton kernels their launchers run (the
-    # mm kernels': workspace and locks unused; the grouped kernel's: routing unused), so each
-    # launcher runs them like those. Nothing is specialised on sizes or pitches.
-    @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
+    # mm kernels': locks unused; the grouped kernel's: routing unused), so each launcher runs
+    # them like those. Nothing is specialised on sizes, pitches or K splits.
+    @gluon.jit(do_not_specialize=["M", "N", "K", "stride_am", "stride_bn", "stride_cm",
+                                  "splits", "k_per_split"])
     def ws_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, locks_ptr, sa_ptr, sb_ptr,
                        M, N, K, stride_am, stride_bn, stride_cm, stride_bias, stride_sam,
-                       stride_sak, stride_sbk, stride_sbn, HAS_BIAS: gl.constexpr,
-                       BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
+                       stride_sak, stride_sbk, stride_sbn, splits, k_per_split,
+                       HAS_BIAS: gl.constexpr, BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
                        CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
+                       SPLIT: gl.constexpr = False):
         """C = A @ B + bias for K-contiguous A [M, K] and B [K, N] (described as B's transpose
         [N, K]). fp8: (A * scale_a) @ (B * scale_b), fp32 promotion every K step; tensorwise or
         rowwise scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row
         block, K block] per A_ROWS rows, scale_b [K block, column block] per 128 columns) at
         each promotion. 16-bit inputs: no scales (sa_ptr, sb_ptr unused), accumulated by the
         wgmmas in place; PINGPONG (16-bit only): the ping-pong form, two consumers on
-        alternate 128-row tiles (CONSUMERS unused). See the module docstring. Launch with
-        num_warps=4, one program per SM."""
+        alternate 128-row tiles (CONSUMERS unused). SPLIT (not PINGPONG): K cut into ``splits``
+        parts of ``k_per_split`` (whole K steps), each tile's split s is work unit
+        s * tiles + tile, whose scaled fp32 partial goes to the workspace ``ws_ptr`` [units,
+        64 * CONSUMERS, BLOCK_N] (no bias, C untouched) for splitk_reduce_kernel; else
+        splits = 1 and k_per_split = K. See the module docstring. Launch with num_warps=4, at
+        most one program per SM."""
         if PINGPONG:
             _pingpong_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
                            stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M, STAGES,
                            CONSUMER_REGS)
         else:
-            _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, sa_ptr, sb_ptr, 1, M, N, K, stride_am,
-                  stride_bn, stride_cm, 0, stride_bias, stride_sam, stride_sak, 0, stride_sbk,
-                  stride_sbn, False, BLOCKWISE, A_ROWS, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M,
-                  STAGES, CONSUMER_REGS)
+            _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, None, sa_ptr, sb_ptr, 1, M, N, K,
+                  splits, k_per_split, stride_am, stride_bn, stride_cm, 0, stride_bias,
+                  stride_sam, stride_sak, 0, stride_sbk, stride_sbn, False, BLOCKWISE, A_ROWS,
+                  HAS_BIAS, SPLIT, CONSUMERS, BLOCK_N, GROUP_M, STAGES, CONSUMER_REGS)
 
     @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,
@@ -514,7 +554,7 @@ if AVAILABLE:
         descriptor) and C row-major with 16-byte aligned rows; scale_a per row, scale_b [G, N],
         bias [G, N]. Rows past the last group are not written. Launch with num_warps=4, at
         most one program per SM."""
-        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, stride_am,
-              stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, 0, stride_sbg, 0,
-              stride_sbn, True, False, 1, HAS_BIAS, CONSUMERS, BLOCK_N, GROUP_M, STAGES,
-              CONSUMER_REGS)
+        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, 1, K,
+              stride_am, stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, 0,
+              stride_sbg, 0, stride_sbn, True, False, 1, HAS_BIAS, False, CONSUMERS, BLOCK_N,
+              GROUP_M, STAGES, CONSUMER_REGS)

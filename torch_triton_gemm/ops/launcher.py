@@ -227,21 +227,8 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     if split_k > 1:
         launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
     if split_k > 1 and not fixup:
-        block_m, block_n, num_warps = tuning.reduce_tile(tiles - whole_tiles, tile.block_m,
-                                                         tile.block_n, num_sms(device))
-        blocks = (tile.block_m // block_m) * (tile.block_n // block_n)
-        reduce_programs = (tiles - whole_tiles) * blocks
-        reduce = (
-            (reduce_programs,),
-            (M, N, stride_cm, stride_cn, stride_bias, whole_tiles, bias is not None,
-             activation, index_64),
-            {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
-             "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
-             "num_warps": num_warps, "C_ALIGN": c_align,
-             **(tuning.PDL_META if tuning.dependent_launch(reduce_programs, num_sms(device),
-                                                           pdl_capability)
-                else tuning.NO_PDL_META)},
-        )
+        reduce = _split_reduction(out, bias, activation, tile, tiles - whole_tiles, whole_tiles,
+                                  split_k, index_64, c_align, pdl_capability)
     workspace = locks = counters = None
     if split_k > 1:
         workspace = (split_units, tile.block_m, tile.block_n)
@@ -253,6 +240,31 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return PreparedLaunch(kernel, tuple(launches), workspace, reduce,
                           None if pads == (None, None) else pads, locks_shape=locks, plan=plan,
                           counters_shape=counters)
+
+
+def _split_reduction(out: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                     tile: tuning.TileConfig, split_tiles: Any, first_tile: Any, split_k: int,
+                     index_64: bool, c_align: int, pdl_capability: tuple[int, int]
+                     ) -> tuple[tuple[Any], tuple[Any, ...], Mapping[str, Any]]:
+    """The launch (grid, runtime arguments, meta) of splitk_reduce_kernel adding the
+    ``split_k`` fp32 partials of the ``split_tiles`` tiles from ``first_tile`` on (the GEMM's
+    tiles in its L2-grouped order; workspace slot s * split_tiles + tile) and running the
+    epilogue (bias, activation, cast) into ``out``."""
+    M, N = out.shape
+    sms = num_sms(out.device)
+    block_m, block_n, num_warps = tuning.reduce_tile(split_tiles, tile.block_m, tile.block_n,
+                                                     sms)
+    programs = split_tiles * (tile.block_m // block_m) * (tile.block_n // block_n)
+    pdl = tuning.dependent_launch(programs, sms, pdl_capability)
+    return (
+        (programs,),
+        (M, N, out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+         first_tile, bias is not None, activation, index_64),
+        {"SPLIT_K": split_k, "TILE_M": tile.block_m, "TILE_N": tile.block_n,
+         "GROUP_M": tile.group_m, "BLOCK_M": block_m, "BLOCK_N": block_n,
+         "num_warps": num_warps, "C_ALIGN": c_align,
+         **(tuning.PDL_META if pdl else tuning.NO_PDL_META)},
+    )
 
 
 def _transposed_scales(scales: GemmScales) -> GemmScales:
@@ -287,17 +299,30 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
     tile = plan.tile
     pingpong = plan.kernel == tuning.WS_PINGPONG_KERNEL
     consumers = 2 if pingpong else tile.block_m // wgmma_fp8.ROWS_PER_CONSUMER
-    programs = min(num_sms(a.device), tuning.output_tiles(M, N, tile))
+    # K steps are 128 bytes of a row (tile.block_k counts 16-bit elements); K splits of whole
+    # steps, whose partials splitk_reduce_kernel adds (bias and cast there).
+    splits, k_per_split = (1, K) if pingpong else tuning.effective_split(
+        K, tile.block_k * 2 // a.element_size(), plan.split_k)
+    tiles = tuning.output_tiles(M, N, tile)
+    programs = min(num_sms(a.device), tiles * splits)
     scale_args = ((*scales.strides, scales.mode == "block", scales.a_rows) if scales is not None
                   else (0, 0, 0, 0, False, 1))
     runtime_args = (M, N, K, a.stride(0), b.stride(1), out.stride(0),
-                    bias.stride(0) if bias is not None else 0, *scale_args[:4],
-                    bias is not None, *scale_args[4:])
+                    bias.stride(0) if bias is not None else 0, *scale_args[:4], splits,
+                    k_per_split, bias is not None and splits == 1, *scale_args[4:])
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
             "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
-            "PINGPONG": pingpong, "num_warps": 4}
+            "PINGPONG": pingpong, "SPLIT": splits > 1, "num_warps": 4}
+    workspace = reduce = None
+    if splits > 1:
+        workspace = (tiles * splits, tile.block_m, tile.block_n)
+        index_64 = needs_int64_indexing(((M, N, out.stride(0), 1),))
+        c_align = (tuning.store_alignment(out.stride(0), N, out.element_size())
+                   if tuning.pitch_hints_enabled() else 1)
+        reduce = _split_reduction(out, bias, activation, tile, tiles, 0, splits, index_64,
+                                  c_align, (0, 0))
     return PreparedLaunch(wgmma_fp8.ws_gemm_kernel, (((programs,), meta, runtime_args),),
-                          None, None, plan=plan)
+                          workspace, reduce, plan=plan)
 
 
 def _builds_descriptors(prepared: PreparedLaunch) -> bool:
