@@ -9,6 +9,7 @@ descriptors as it implements device ones.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from concurrent.futures import Future
 
@@ -19,6 +20,7 @@ from test_plans import PLANS, _poisoned
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
+from torch_triton_gemm.kernels import wgmma_fp8
 from torch_triton_gemm.ops import graph_descriptors, launcher, planner
 from torch_triton_gemm.ops.compile_pool import variant_key
 
@@ -41,7 +43,7 @@ def _launch(prepared, a, b, out, host: bool) -> None:  # type: ignore[no-untyped
     for grid, meta, runtime_args in prepared.launches:
         args = (a, b, out, None, workspace, locks, None, None, *runtime_args)
         if host:
-            described = graph_descriptors.describe(args, meta)
+            described = graph_descriptors.describe(prepared.kernel, args, meta)
             assert described is not None
             args, meta = described
         launcher.launch_kernel(prepared.kernel, grid, args, meta, False, None)
@@ -86,11 +88,57 @@ def test_nothing_to_describe_without_k_nor_for_fp8_and_fp32_operands():
     a, b = torch.empty(4, 0, dtype=torch.float16), torch.empty(0, 8, dtype=torch.float16)
     out = torch.empty(4, 8, dtype=torch.float16)
     args = (a, b, out, None, None, None, None, None, 4, 8, 0, 0, 1, 8, 1, 8)
-    assert graph_descriptors.describe(args, meta) is None
+    tma = launcher.mm_tma_kernel
+    assert graph_descriptors.describe(tma, args, meta) is None
     for dtype in (torch.float16, torch.float8_e4m3fn, torch.float32):
         a, b = torch.empty(4, 64, dtype=dtype), torch.empty(64, 32, dtype=dtype)
         args = (a, b, out, None, None, None, None, None, 4, 32, 64, 64, 1, 32, 1, 32)
-        assert (graph_descriptors.describe(args, meta) is None) == (dtype != torch.float16)
+        assert (graph_descriptors.describe(tma, args, meta) is None) == (dtype != torch.float16)
+
+
+def _ws_launch_args(a, b, out, bias=None):  # type: ignore[no-untyped-def]
+    """The launcher's arguments of a launch of ws_gemm_kernel (tensors, M, N, K, pitches)."""
+    (M, K), N = a.shape, b.shape[1]
+    return (a, b, out, bias, None, None, None, None, M, N, K, a.stride(0), b.stride(1),
+            out.stride(0), 0, 0, 0, 0, 0, 1, K, bias is not None, False, 1)
+
+
+@pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
+def test_warp_specialized_kernel_takes_host_descriptors():
+    """Captures of the warp-specialized Gluon kernel take host-built descriptors too: its last
+    parameters are HOST_DESCRIPTORS and c_host_desc (as the TMA kernel's), and ``describe``
+    gives A, B (as its transpose) and C as the kernel describes them on the device: boxes of
+    64 rows (B: BLOCK_N) by a 128-byte K step, C's of 64 x BLOCK_N, 128-byte swizzles (16-bit
+    and fp8 operands, 16-bit and fp32 C); nothing without K nor where a pitch is not 16-byte
+    aligned."""
+    kernel = wgmma_fp8.ws_gemm_kernel
+    assert graph_descriptors.supports(kernel)
+    assert kernel.arg_names[-2:] == ["HOST_DESCRIPTORS", "c_host_desc"]
+    for dtype, out_dtype, block_n in ((torch.bfloat16, torch.bfloat16, 256),
+                                      (torch.float8_e4m3fn, torch.float32, 128)):
+        a = torch.empty(200, 528, dtype=dtype)
+        w = torch.empty(304, 528, dtype=dtype)
+        out = torch.empty(200, 304, dtype=out_dtype)
+        meta = {"BLOCK_N": block_n, "CONSUMERS": 2}
+        host_args, host_meta = graph_descriptors.describe(kernel, _ws_launch_args(a, w.t(), out),
+                                                          meta)
+        a_desc, b_desc, c_desc = host_args[0], host_args[1], host_meta["c_host_desc"]
+        step = 128 // a.element_size()
+        assert host_meta["HOST_DESCRIPTORS"] and host_args[2:] == _ws_launch_args(
+            a, w.t(), out)[2:]
+        assert (list(a_desc.shape), list(a_desc.block_shape)) == ([200, 528], [64, step])
+        assert (list(b_desc.shape), list(b_desc.block_shape)) == ([304, 528], [block_n, step])
+        assert (list(c_desc.shape), list(c_desc.block_shape)) == ([200, 304], [64, block_n])
+        assert b_desc.base.data_ptr() == w.data_ptr() and list(b_desc.strides) == [528, 1]
+        assert all(d.layout.swizzle_byte_width == 128 for d in (a_desc, b_desc, c_desc))
+    a = torch.empty(8, 0, dtype=torch.bfloat16)
+    assert graph_descriptors.describe(kernel, _ws_launch_args(
+        a, torch.empty(0, 16, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)),
+        {"BLOCK_N": 128}) is None
+    odd = torch.empty(64, 68, dtype=torch.bfloat16)[:, :60]  # a 136-byte pitch: not described
+    assert graph_descriptors.describe(kernel, _ws_launch_args(
+        odd, torch.empty(60, 16, dtype=torch.bfloat16), torch.empty(64, 16, dtype=torch.bfloat16)),
+        {"BLOCK_N": 128}) is None
 
 
 class _Compiled:
@@ -350,6 +398,62 @@ def test_gpu_captured_tgemm_runs_host_descriptors(plan, monkeypatch, fresh_varia
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["shared-tile", "ping-pong", "k-split", "fp8-rowwise"])
+def test_gpu_captured_warp_specialized_launches_run_host_descriptors(form, monkeypatch,
+                                                                      fresh_variants):
+    """On an H100: captures of the warp-specialized kernel's launches (a 16-bit plan, its
+    ping-pong form, a K split with its reduction, and a precise fp8 product the planner gives
+    it) launch the host-descriptor variant after tg.prepare_capture; replays give the eager
+    call's bits, and on new operands the eager call's on those."""
+    if not (wgmma_fp8.AVAILABLE and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the warp-specialized kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm import tuning
+
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    captured = _spy_on_captures(monkeypatch)
+    m, n, k = (1024, 2304, 512) if form == "fp8-rowwise" else (300, 200, 520)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    if form == "fp8-rowwise":  # (the planner's plan: the precise kernel)
+        a, w = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        sa = torch.rand(m, 1, device="cuda") + 0.5
+        sw = torch.rand(1, n, device="cuda") + 0.5
+
+        def call() -> torch.Tensor:
+            return tg.scaled_mm(a, w.t(), sa, sw, bias)
+
+        def plan() -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
+            return contextlib.nullcontext()
+    else:
+        chosen = {"shared-tile": tuning.ws_plans(2)[1], "ping-pong": tuning.ws_plans(2)[-1],
+                  "k-split": tuning.MMPlan(tuning.WS_KERNEL, tuning.WS_SPLIT_TILES[0], 2)}[form]
+
+        def call() -> torch.Tensor:
+            return tg.mm(a, w.t(), bias)
+
+        def plan() -> contextlib.AbstractContextManager:  # type: ignore[type-arg]
+            return tuning.force_plan(chosen)
+    with plan():
+        eager = tg.prepare_capture(call)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+    assert captured and all(captured), captured
+    assert any(isinstance(state, graph_descriptors._Loaded) and key[0] is wgmma_fp8.ws_gemm_kernel
+               for key, state in graph_descriptors._VARIANTS.items())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    a.copy_(torch.randn(a.shape, device="cuda").to(a.dtype))
+    graph.replay()
+    with plan():
+        expected = call()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected) and not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
 def test_gpu_a_capture_without_prepare_capture_wants_the_variant(monkeypatch, fresh_variants):
     """Without prepare_capture, on the planner's own TMA plan (kept eager launches, the
     direct path): a first capture launches the device-descriptor variant and makes the host
@@ -431,3 +535,48 @@ def test_host_descriptor_variant_compiles_for_hopper():
 
     lines = _run_without_interpreter(_HOST_COMPILE_SCRIPT).splitlines()
     assert lines == ["True True False"] * 2 + ["False True True"] * 2
+
+
+_WS_HOST_COMPILE_SCRIPT = """
+import torch
+from hopper_compile import compile_for
+from triton.runtime.jit import mangle_type
+from torch_triton_gemm.kernels import wgmma_fp8
+from torch_triton_gemm.kernels.wgmma_fp8 import CONSUMER_REGS, ws_gemm_kernel
+
+for dtype, out_dtype, name, out_name in ((torch.bfloat16, torch.bfloat16, "*bf16", "*bf16"),
+                                         (torch.float8_e4m3fn, torch.float32, "*fp8e4nv", "*fp32")):
+    a = torch.empty(256, 512, dtype=dtype)
+    w = torch.empty(384, 512, dtype=dtype)
+    out = torch.empty(256, 384, dtype=out_dtype)
+    for pingpong in ((False, True) if dtype == torch.bfloat16 else (False,)):
+        for host in (True, False):
+            descs = wgmma_fp8.host_descriptors(a, w.t(), out, 256, 384, 512, 512, 512, 384, 128)
+            pointers = {"a_ptr": name, "b_ptr": name, "c_ptr": out_name, "bias_ptr": "*bf16",
+                        "ws_ptr": "*fp32", "sa_ptr": "*fp32", "sb_ptr": "*fp32"}
+            constants = dict(HAS_BIAS=True, BLOCKWISE=False, A_ROWS=1, CONSUMERS=2, BLOCK_N=128,
+                             GROUP_M=8, STAGES=4, CONSUMER_REGS=CONSUMER_REGS[2],
+                             PINGPONG=pingpong, HOST_DESCRIPTORS=host, locks_ptr=None)
+            if host:
+                pointers.update(a_ptr=mangle_type(descs[0]), b_ptr=mangle_type(descs[1]),
+                                c_host_desc=mangle_type(descs[2]))
+            else:
+                constants["c_host_desc"] = None
+            ptx = compile_for(ws_gemm_kernel, pointers, constants,
+                              ["c_ptr"] + ([] if host else ["a_ptr", "b_ptr"]),
+                              num_warps=4).asm["ptx"]
+            print(host, pingpong, "cp.async.bulk.tensor" in ptx, "tensormap" in ptx)
+"""
+
+
+@pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
+def test_warp_specialized_host_variant_compiles_for_hopper():
+    """The warp-specialized kernel's sm_90 builds with host-built descriptors (16-bit, its
+    ping-pong form, precise fp8 into fp32) load and store by TMA and build no descriptor on
+    the device (no tensormap instruction); the default builds do build them."""
+    from test_mm import _run_without_interpreter
+
+    lines = _run_without_interpreter(_WS_HOST_COMPILE_SCRIPT).splitlines()
+    assert lines[:6] == ["True False True False", "False False True True",
+                         "True True True False", "False True True True",
+                         "True False True False", "False False True True"], lines

@@ -55,6 +55,8 @@ TMA zero-fills the M, N and K edges.
 Gluon exists in Triton 3.5 and later; ``AVAILABLE`` says whether this Triton has it.
 """
 
+from typing import Any
+
 try:  # Gluon and its Hopper ops: Triton 3.5+
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -73,6 +75,11 @@ try:  # Gluon and its Hopper ops: Triton 3.5+
 except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
+try:  # host-built descriptors of Gluon kernels (their shared-memory layout included)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 ROWS_PER_CONSUMER = 64  # one warpgroup's wgmma rows
 BLOCK_K = 128  # fp8 elements per K step (one promotion); 16-bit steps take 64 (the same bytes)
 SCALE_BLOCK = 128  # blockwise scales: one per 128 of K, and scale_b one per 128 columns
@@ -81,6 +88,30 @@ SCALE_BLOCK = 128  # blockwise scales: one per 128 of K, and scale_b one per 128
 # room in the SM's 64K registers for each other and the loader. (One consumer is the
 # kernel's default partition, which keeps what the loader leaves.)
 CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
+
+
+
+def host_descriptors(a: Any, b: Any, out: Any, M: int, N: int, K: int, stride_am: int,
+                     stride_bn: int, stride_cm: int, block_n: int) -> tuple[Any, Any, Any]:
+    """A's [M, K], B's transpose [N, K] and C's [M, N] TMA descriptors built on the host, as
+    ``ws_gemm_kernel`` builds them on the device (boxes of 64 rows, or of block_n rows of B,
+    by a K step of 128 bytes; C's of 64 rows by block_n; each its default swizzled layout),
+    for its HOST_DESCRIPTORS variant. Raises AssertionError where TMA cannot describe a
+    tensor (alignment, a last stride that is not 1)."""
+    dtypes = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16,
+              "torch.float32": gl.float32, "torch.float8_e4m3fn": gl.float8e4nv,
+              "torch.float8_e5m2": gl.float8e5}
+
+    def describe(t: Any, shape: list[int], stride: int, block: list[int]) -> Any:
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[str(t.dtype)])
+        return TensorDescriptor(t, shape, [stride, 1], block,
+                                getattr(layout, "value", layout))  # (a constexpr on some Tritons)
+
+    step = 128 // a.element_size()
+    return (describe(a, [M, K], stride_am, [ROWS_PER_CONSUMER, step]),
+            describe(b, [N, K], stride_bn, [block_n, step]),
+            describe(out, [M, N], stride_cm, [ROWS_PER_CONSUMER, block_n]))
+
 
 if AVAILABLE:
     _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
@@ -326,33 +357,41 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _shared_operands(a_ptr, b_ptr, c_ptr, M, N, K, b_rows, stride_am, stride_bn, stride_cm,
+    def _shared_operands(a_ptr, b_ptr, c_ptr, c_host_desc, M, N, K, b_rows, stride_am,
+                         stride_bn, stride_cm, HOST_DESCRIPTORS: gl.constexpr,
                          A_SLOTS: gl.constexpr, C_TILES: gl.constexpr, READERS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The TMA descriptors of A [M, K], B's transpose [b_rows, K] and C [M, N]; STAGES
-        slots of A_SLOTS 64-row A tiles and one B tile each, C_TILES 64-row C tiles; each
-        slot's "ready" barrier and its "empty" one (READERS arrivals free it; every slot starts
-        free)."""
-        # A K step is 128 bytes of each row: 128 fp8 or 64 16-bit elements.
-        BLOCK_K: gl.constexpr = 1024 // a_ptr.dtype.element_ty.primitive_bitwidth
-        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [_ROWS, BLOCK_K], a_ptr.dtype.element_ty)
-        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [BLOCK_N, BLOCK_K], b_ptr.dtype.element_ty)
-        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-            [_ROWS, BLOCK_N], c_ptr.dtype.element_ty)
-        a_desc = tma.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                            block_shape=[_ROWS, BLOCK_K], layout=a_layout)
-        b_desc = tma.make_tensor_descriptor(b_ptr, shape=[b_rows, K], strides=[stride_bn, 1],
-                                            block_shape=[BLOCK_N, BLOCK_K], layout=b_layout)
-        c_desc = tma.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
-                                            block_shape=[_ROWS, BLOCK_N], layout=c_layout)
-        a_bufs = gl.allocate_shared_memory(a_ptr.dtype.element_ty,
-                                           [STAGES * A_SLOTS, _ROWS, BLOCK_K], a_layout)
-        b_bufs = gl.allocate_shared_memory(b_ptr.dtype.element_ty,
-                                           [STAGES, BLOCK_N, BLOCK_K], b_layout)
-        c_bufs = gl.allocate_shared_memory(c_ptr.dtype.element_ty,
-                                           [C_TILES, _ROWS, BLOCK_N], c_layout)
+        """The TMA descriptors of A [M, K], B's transpose [b_rows, K] and C [M, N] (built
+        here, or HOST_DESCRIPTORS: a_ptr, b_ptr and c_host_desc are the launcher's, described
+        so: ``host_descriptors``); STAGES slots of A_SLOTS 64-row A tiles and one B tile each,
+        C_TILES 64-row C tiles; each slot's "ready" barrier and its "empty" one (READERS
+        arrivals free it; every slot starts free)."""
+        if HOST_DESCRIPTORS:
+            a_desc = a_ptr
+            b_desc = b_ptr
+            c_desc = c_host_desc
+        else:
+            # A K step is 128 bytes of each row: 128 fp8 or 64 16-bit elements.
+            STEP_K: gl.constexpr = 1024 // a_ptr.dtype.element_ty.primitive_bitwidth
+            a_desc = tma.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[_ROWS, STEP_K],
+                layout=gl.NVMMASharedLayout.get_default_for([_ROWS, STEP_K],
+                                                            a_ptr.dtype.element_ty))
+            b_desc = tma.make_tensor_descriptor(
+                b_ptr, shape=[b_rows, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, STEP_K],
+                layout=gl.NVMMASharedLayout.get_default_for([BLOCK_N, STEP_K],
+                                                            b_ptr.dtype.element_ty))
+            c_desc = tma.make_tensor_descriptor(
+                c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[_ROWS, BLOCK_N],
+                layout=gl.NVMMASharedLayout.get_default_for([_ROWS, BLOCK_N],
+                                                            c_ptr.dtype.element_ty))
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * A_SLOTS, _ROWS, BLOCK_K],
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K],
+                                           b_desc.layout)
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [C_TILES, _ROWS, BLOCK_N],
+                                           c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -362,19 +401,19 @@ if AVAILABLE:
         return a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty
 
     @gluon.jit
-    def _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
-              splits, k_per_split, stride_am, stride_bn, stride_cm, stride_bias_g,
+    def _gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, ws_ptr, offs_ptr, sa_ptr, sb_ptr, G, M,
+              N, K, splits, k_per_split, stride_am, stride_bn, stride_cm, stride_bias_g,
               stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk, stride_sbn,
               GROUPED: gl.constexpr, BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
               HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, CONSUMERS: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMER_REGS: gl.constexpr):
+              CONSUMER_REGS: gl.constexpr, HOST_DESCRIPTORS: gl.constexpr):
         """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
-        SCALED: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 8
         # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
         a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty = _shared_operands(
-            a_ptr, b_ptr, c_ptr, M, N, K, G * N, stride_am, stride_bn, stride_cm, CONSUMERS,
-            CONSUMERS, CONSUMERS, BLOCK_N, STAGES)
+            a_ptr, b_ptr, c_ptr, c_host_desc, M, N, K, G * N, stride_am, stride_bn, stride_cm,
+            HOST_DESCRIPTORS, CONSUMERS, CONSUMERS, CONSUMERS, BLOCK_N, STAGES)
+        SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
         # Partitions are listed statically: the default one (the kernel's 4 warps) is the
         # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
         shared = (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr, ws_ptr,
@@ -480,15 +519,15 @@ if AVAILABLE:
         tma.store_wait(0)
 
     @gluon.jit
-    def _pingpong_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-                       stride_bias, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _pingpong_gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, M, N, K, stride_am, stride_bn,
+                       stride_cm, stride_bias, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       CONSUMER_REGS: gl.constexpr, HOST_DESCRIPTORS: gl.constexpr):
         """ws_gemm_kernel's ping-pong form for 16-bit inputs: descriptors, one ring of STAGES
         slots (each consumer reads whole slots), the turns' barriers, then the partitions."""
         a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty = _shared_operands(
-            a_ptr, b_ptr, c_ptr, M, N, K, N, stride_am, stride_bn, stride_cm, 2, 2, 1, BLOCK_N,
-            STAGES)
+            a_ptr, b_ptr, c_ptr, c_host_desc, M, N, K, N, stride_am, stride_bn, stride_cm,
+            HOST_DESCRIPTORS, 2, 2, 1, BLOCK_N, STAGES)
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turns.index(i), count=1)
@@ -517,7 +556,8 @@ if AVAILABLE:
                        CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                       SPLIT: gl.constexpr = False):
+                       SPLIT: gl.constexpr = False, HOST_DESCRIPTORS: gl.constexpr = False,
+                       c_host_desc=None):
         """C = A @ B + bias for K-contiguous A [M, K] and B [K, N] (described as B's transpose
         [N, K]). fp8: (A * scale_a) @ (B * scale_b), fp32 promotion every K step; tensorwise or
         rowwise scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row
@@ -528,17 +568,21 @@ if AVAILABLE:
         parts of ``k_per_split`` (whole K steps), each tile's split s is work unit
         s * tiles + tile, whose scaled fp32 partial goes to the workspace ``ws_ptr`` [units,
         64 * CONSUMERS, BLOCK_N] (no bias, C untouched) for splitk_reduce_kernel; else
-        splits = 1 and k_per_split = K. See the module docstring. Launch with num_warps=4, at
-        most one program per SM."""
+        splits = 1 and k_per_split = K. HOST_DESCRIPTORS (CUDA-graph captures,
+        ops/graph_descriptors.py): a_ptr and b_ptr are A's and B's TMA descriptors and
+        c_host_desc C's, as ``host_descriptors`` builds them, so that no program spends its
+        first microseconds building them; c_host_desc stays the last parameter. See the module
+        docstring. Launch with num_warps=4, at most one program per SM."""
         if PINGPONG:
-            _pingpong_gemm(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
-                           stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M, STAGES,
-                           CONSUMER_REGS)
+            _pingpong_gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, M, N, K, stride_am,
+                           stride_bn, stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M,
+                           STAGES, CONSUMER_REGS, HOST_DESCRIPTORS)
         else:
-            _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, ws_ptr, None, sa_ptr, sb_ptr, 1, M, N, K,
-                  splits, k_per_split, stride_am, stride_bn, stride_cm, 0, stride_bias,
+            _gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, ws_ptr, None, sa_ptr, sb_ptr, 1, M,
+                  N, K, splits, k_per_split, stride_am, stride_bn, stride_cm, 0, stride_bias,
                   stride_sam, stride_sak, 0, stride_sbk, stride_sbn, False, BLOCKWISE, A_ROWS,
-                  HAS_BIAS, SPLIT, CONSUMERS, BLOCK_N, GROUP_M, STAGES, CONSUMER_REGS)
+                  HAS_BIAS, SPLIT, CONSUMERS, BLOCK_N, GROUP_M, STAGES, CONSUMER_REGS,
+                  HOST_DESCRIPTORS)
 
     @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,
@@ -554,7 +598,7 @@ if AVAILABLE:
         descriptor) and C row-major with 16-byte aligned rows; scale_a per row, scale_b [G, N],
         bias [G, N]. Rows past the last group are not written. Launch with num_warps=4, at
         most one program per SM."""
-        _gemm(a_ptr, b_ptr, c_ptr, bias_ptr, None, offs_ptr, sa_ptr, sb_ptr, G, M, N, K, 1, K,
-              stride_am, stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, 0,
+        _gemm(a_ptr, b_ptr, c_ptr, None, bias_ptr, None, offs_ptr, sa_ptr, sb_ptr, G, M, N, K,
+              1, K, stride_am, stride_bn, stride_cm, stride_bias_g, stride_bias_n, stride_sam, 0,
               stride_sbg, 0, stride_sbn, True, False, 1, HAS_BIAS, False, CONSUMERS, BLOCK_N,
-              GROUP_M, STAGES, CONSUMER_REGS)
+              GROUP_M, STAGES, CONSUMER_REGS, False)

@@ -1,4 +1,6 @@
-"""Host-built TMA descriptors for the persistent TMA kernel's launches that a CUDA graph captures.
+"""Host-built TMA descriptors for the launches that a CUDA graph captures of the kernels that
+build their descriptors on the device: the persistent TMA kernel and Hopper's warp-specialized
+Gluon kernel (``ws_gemm_kernel``: tgemm::mm's "wgmma" plans, precise fp8 scaled_mm).
 
 ``mm_tma_kernel`` builds its TMA descriptors on the device (kernels/tma.py): that works under
 tracing, torch.compile and CUDA graphs alike, but each program spends about 0.8 us per
@@ -6,7 +8,8 @@ descriptor before its first load (H100, kernel-only, a bare persistent TMA GEMM 
 with three device-built descriptors, 2.6 us with host-built ones, 2.3 us with plain pointers).
 Host-built descriptors cost host time at every launch instead (the launcher encodes them), which
 an eager small GEMM cannot spare, but a launch captured into a CUDA graph pays it once, at
-capture. So captured launches pass descriptors built here (the kernel's HOST_DESCRIPTORS).
+capture. So captured launches pass descriptors built here (the kernel's HOST_DESCRIPTORS). The
+warp-specialized kernel builds three before its loader's first load, as the TMA kernel does.
 
 That is another compiled variant of the kernel, and no kernel can be loaded while a stream is
 capturing (cuModuleLoadData is prohibited there). So a launch's host-descriptor variant is
@@ -31,6 +34,8 @@ from typing import Any, NamedTuple
 
 import triton  # noqa: F401  before triton.tools: as Triton's first import, 3.6 fails on it
 
+from ..kernels import wgmma_fp8
+from ..kernels.matmul import mm_tma_kernel
 from .compile_pool import POOL, background_switched_off, trailing_arguments, variant_key
 
 try:
@@ -64,14 +69,24 @@ _OFF = 0
 GENERATION = 0
 
 
-def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
+def supports(kernel: Any) -> bool:
+    """Whether captured launches of ``kernel`` may take host-built descriptors (``describe``)."""
+    return kernel is mm_tma_kernel or (
+        wgmma_fp8.AVAILABLE and wgmma_fp8.TensorDescriptor is not None
+        and kernel is wgmma_fp8.ws_gemm_kernel)
+
+
+def describe(kernel: Any, args: tuple[Any, ...], meta: Mapping[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The arguments and meta-parameters of an ``mm_tma_kernel`` launch (the launcher's
-    ``args``: a, b, out, bias, workspace, locks, scales, then M, N, K and the strides) with A's,
-    B's and (with C_TMA) C's descriptors built on the host, described as the kernel describes
-    them; None where there is nothing to describe (K = 0), the tensors cannot be described, or
-    the operands or C are not 16-bit (fp8 and fp32 launches keep device-built descriptors until
-    a GPU has run their host-built ones)."""
+    """The arguments and meta-parameters of a launch of ``kernel`` (``supports``; ``args`` as
+    the launcher passes them: a, b, out, bias, workspace, locks, scales, then M, N, K and the
+    strides) with A's, B's and C's descriptors built on the host, described as the kernel
+    describes them; None where there is nothing to describe (K = 0) or the tensors cannot be
+    described, and for the persistent TMA kernel where the operands or C are not 16-bit (fp8
+    and fp32 launches keep device-built descriptors until a GPU has run their host-built
+    ones). Any kernel but the warp-specialized one is described as the TMA kernel."""
+    if wgmma_fp8.AVAILABLE and kernel is wgmma_fp8.ws_gemm_kernel:
+        return _describe_warp_specialized(args, meta)
     if TensorDescriptor is None:
         return None
     a, b, out = args[:3]
@@ -93,6 +108,22 @@ def describe(args: tuple[Any, ...], meta: Mapping[str, Any]
             c_desc = TensorDescriptor(out, [M, N], [stride_cm, 1],
                                       [block_m, block_n // meta["EPILOGUE_SUBTILE"]])
     except AssertionError:  # (TensorDescriptor's checks: alignment, unit last stride)
+        return None
+    return (a_desc, b_desc, *args[2:]), {**meta, "HOST_DESCRIPTORS": True, "c_host_desc": c_desc}
+
+
+def _describe_warp_specialized(args: tuple[Any, ...], meta: Mapping[str, Any]
+                               ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``describe`` for ``ws_gemm_kernel`` (its runtime arguments: M, N, K, A's, B's and C's
+    row pitches first; B described as its transpose)."""
+    a, b, out = args[:3]
+    M, N, K, stride_am, stride_bn, stride_cm = args[8:14]
+    if not (M and N and K):
+        return None
+    try:
+        a_desc, b_desc, c_desc = wgmma_fp8.host_descriptors(
+            a, b, out, M, N, K, stride_am, stride_bn, stride_cm, meta["BLOCK_N"])
+    except (AssertionError, KeyError):  # (TensorDescriptor's checks; a dtype it has no name for)
         return None
     return (a_desc, b_desc, *args[2:]), {**meta, "HOST_DESCRIPTORS": True, "c_host_desc": c_desc}
 
@@ -125,7 +156,7 @@ def _advance(key: tuple[Any, ...], state: Future | _Loaded | None | bool, kernel
     if isinstance(state, _Loaded) or state is None:
         return True
     if state is False:
-        described = describe(args, meta)
+        described = describe(kernel, args, meta)
         if described is None or background_switched_off():
             _VARIANTS[key] = None
             return True
@@ -137,7 +168,7 @@ def _advance(key: tuple[Any, ...], state: Future | _Loaded | None | bool, kernel
         return False
     if not state.done():
         return False
-    described = describe(args, meta)
+    described = describe(kernel, args, meta)
     try:
         if state.exception() is not None or described is None:
             raise RuntimeError(state.exception() or "the launch can no longer be described")
@@ -183,7 +214,7 @@ def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
         if loaded is False and key not in _WANTED:
             _want(key)
         return False
-    described = describe(args, meta)
+    described = describe(kernel, args, meta)
     if described is None:
         return False
     host_args, host_meta = described
@@ -195,11 +226,11 @@ def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
 
 
 def prepare_capture(fn: Callable[..., Any], *args: Any, rounds: int = 8, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` eagerly -- a model's step, say -- until every persistent TMA
-    launch it makes has its host-descriptor variant loaded (or settled without one), waiting
-    for the compile pool between runs (usually three runs: one submits, one finds them compiled
-    and loads them, one finds nothing left), at most ``rounds`` runs; returns the last run's
-    result. A CUDA graph captured next launches those variants.
+    """Run ``fn(*args, **kwargs)`` eagerly -- a model's step, say -- until every launch it makes
+    of a kernel that builds TMA descriptors has its host-descriptor variant loaded (or settled
+    without one), waiting for the compile pool between runs (usually three runs: one submits,
+    one finds them compiled and loads them, one finds nothing left), at most ``rounds`` runs;
+    returns the last run's result. A CUDA graph captured next launches those variants.
 
     Example:
         >>> out = tg.prepare_capture(model, static_input)

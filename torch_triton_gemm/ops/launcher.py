@@ -337,13 +337,15 @@ def run_launch(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                scale_b: torch.Tensor | None, traceable: bool) -> bool:
     """Launch a prepared GEMM on these tensors (and its split-K reduction); scale_a and scale_b
     are the scales of a prepared scaled product, else None. Whether the host-descriptor
-    variants of its persistent TMA kernel launches are settled: loaded, for a CUDA graph's
-    capture of the same launches to run, or never to be (graph_descriptors.prepare)."""
-    # Eager launches of the persistent TMA kernel: captured ones take host-built descriptors
-    # where that variant is loaded; others prepare it (graph_descriptors).
+    variants of its launches of a kernel that builds TMA descriptors (the persistent TMA
+    kernel, the warp-specialized one) are settled: loaded, for a CUDA graph's capture of the
+    same launches to run, or never to be (graph_descriptors.prepare)."""
+    # Eager launches of those kernels: captured ones take host-built descriptors where that
+    # variant is loaded; others prepare it (graph_descriptors).
     if prepared.plan is not None and prepared.plan.swap_ab:  # see prepare_launch
         a, b, scale_a, scale_b = b, a, scale_b, scale_a
-    host_descriptors = prepared.kernel is mm_tma_kernel and not traceable and not _INTERPRETED
+    host_descriptors = (graph_descriptors.supports(prepared.kernel) and not traceable
+                        and not _INTERPRETED)
     capturing = host_descriptors and _capturing()
     host_settled = not capturing  # (a capture prepares nothing)
     if _builds_descriptors(prepared):
@@ -631,8 +633,9 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     small GEMM is mostly this path's."""
     device = _current_device() if not _INTERPRETED else None
     direct = prepared.compiled[-1].get(device)
-    # The persistent TMA kernel's launches go through run_launch in CUDA graph captures (which
-    # launch its host-descriptor variant where loaded) and while that variant has work left
+    # Launches of the kernels that build TMA descriptors (the persistent TMA kernel's, the
+    # warp-specialized one's) go through run_launch in CUDA graph captures (which launch
+    # their host-descriptor variants where loaded) and while that variant has work left
     # (graph_descriptors.prepare; settled as of the generation kept in tma_host).
     tma_host = None if direct is None else direct.tma_host
     capturing = tma_host is not None and _capturing()
@@ -703,7 +706,7 @@ class _DirectLaunches(NamedTuple):
     # bytes (scratch; 0: none needed).
     tma: bool
     scratch: int
-    # The persistent TMA kernel's: [the graph_descriptors.GENERATION at which its
+    # Of a kernel graph_descriptors supports: [the graph_descriptors.GENERATION at which its
     # host-descriptor variants were last found settled, or -1]; None for other kernels.
     tma_host: list[int] | None
 
@@ -792,7 +795,7 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
     return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
                            _builds_descriptors(prepared) and None in sizes,
                            max((size or 0 for size in sizes), default=0),
-                           [-1] if prepared.kernel is mm_tma_kernel else None)
+                           [-1] if graph_descriptors.supports(prepared.kernel) else None)
 
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
