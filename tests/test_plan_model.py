@@ -774,7 +774,7 @@ def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monke
     assert not any(p.kernel == tuning.WS_KERNEL for p in plain)
     with_ws = list(tuning.plan_space(3072, 3072, 3072, 2, True, 132, wgmma_out_size=2))
     ws = tuning.ws_plans(2)
-    assert ws and with_ws == plain + ws
+    assert ws and with_ws == plain + ws + tuning.ws_split_plans(3072, 3072, 3072, 2, 2, 132)
     assert {p.tile.block_m for p in ws} == {128, 192}
     candidates = list(tuning.candidate_plans(3072, 3072, 3072, 2, True, 132))
     assert not any(p.kernel == tuning.WS_KERNEL for p in candidates)

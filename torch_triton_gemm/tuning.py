@@ -1248,7 +1248,7 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
     shared memory, on both kernels, whatever the size and width rules say (the plan sweep's
     ``--wide-space``: whether those rules leave faster plans out). ``wgmma_out_size``: the
     output's element size where the warp-specialized kernel can run the product (the planner's
-    ``ws_applies``), whose plans (``ws_plans``) come last; 0: it cannot."""
+    ``ws_applies``), whose plans (``ws_plans``, ``ws_split_plans``) come last; 0: it cannot."""
     smem = _device.shared_memory_per_block(0)
     seen: set[MMPlan] = set()
     suited = [tile for tile in (_for_dtype(base, element_size) for base in PLAN_SPACE_TILES)
@@ -1294,6 +1294,7 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
                 yield plan
     if wgmma_out_size:
         yield from ws_plans(wgmma_out_size)
+        yield from ws_split_plans(m, n, k, element_size, wgmma_out_size, num_sms)
 
 
 def _latency_splits(tiles: int, k_steps: int, num_sms: int) -> set[int]:

@@ -180,8 +180,6 @@ def space_of(case: AnyCase, element_size: int, tma: bool, num_sms: int, aligned:
     (``tuning.transposed_plans``)."""
     plans = list(tuning.plan_space(case.m, case.n, case.k, element_size, tma, num_sms,
                                    aligned, wide, out_size if wgmma else 0))
-    if wgmma:
-        plans += tuning.ws_split_plans(case.m, case.n, case.k, element_size, out_size, num_sms)
     if isinstance(case, ScaledCase) and tma and (case.recipe == "blockwise" or not case.fast):
         plans += tuning.fp8_precise_plans(out_size)
         plans += tuning.ws_split_plans(case.m, case.n, case.k, 1, out_size, num_sms)
