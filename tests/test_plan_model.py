@@ -873,3 +873,28 @@ def test_dram_scaling_is_a_rule_left_off_until_timed(h100, monkeypatch):
     assert plan_model.with_machine(costs, 132, None, plan_model.FITTED_DRAM_GBPS) is costs
     h200 = plan_model.modelled_plan(*args, dram_gbps=4814.0)
     assert h200.split_k > plan_model.modelled_plan(*args).split_k
+
+
+def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():
+    """``fit.scaled_to_model``: a product's timings times the model's prediction for its
+    pick over the pick's measured time in the same run (the warp-specialized kernel's H200
+    probe against its --chosen-only picks); products whose pick is transposed (not in the
+    picks' rows) are left out; nothing else of a row changes."""
+    plans = os.path.join(os.path.dirname(DATA), "ws-host-plans-h200-87d9168.csv")
+    chosen = os.path.join(os.path.dirname(DATA), "ws-host-chosen-h200-87d9168.csv")
+    rows, picks = fit.read([plans]), fit.read([chosen])
+    scaled = fit.scaled_to_model(rows, picks, plan_model.H100_COSTS)
+    products = {r.shape[1:] for r in rows}
+    kept = {r.shape[1:] for r in scaled}
+    assert kept == {p.shape[1:] for p in picks} & products and len(kept) < len(products)
+    pick = next(p for p in picks if (p.m, p.n, p.k) == (1536, 1536, 1536))
+    factor = plan_model.predict_us(plan_model.H100_COSTS, pick.plan, 1536, 1536, 1536, 2, 2,
+                                   pick.aligned, pick.narrow, pick.a_m_contiguous,
+                                   pick.pitch_vector) / pick.us
+    before = {(r.shape[1:], r.plan): r for r in rows}
+    for r in scaled:
+        old = before[(r.shape[1:], r.plan)]
+        assert dataclasses.replace(r, us=old.us, cublas_us=old.cublas_us) == old
+        if (r.m, r.n, r.k) == (1536, 1536, 1536):
+            assert r.us == pytest.approx(old.us * factor)
+            assert r.cublas_us == pytest.approx(old.cublas_us * factor)

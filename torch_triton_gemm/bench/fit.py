@@ -5,7 +5,13 @@ planner on other CSVs. Runs on any host (needs numpy and scipy, not a GPU).
         --check docs/data/plans-h100-seed2.csv
 
 Fitting minimises the squared log error of the predicted kernel time over every timed plan
-of the fit files. The check compares, on each shape of the check files, the plan the model
+of the fit files. ``--refit KERNEL --scale-by CHOSEN.csv`` fits one kernel's tiles alone, on
+timings put into the constants' units first (``scaled_to_model``: each product's times times
+the model's prediction for the pick of a ``bench.plans --chosen-only`` run of the same session
+over the pick's time), as for a kernel timed on another GPU than the constants':
+
+    python -m torch_triton_gemm.bench.fit --fit ws-plans.csv --scale-by chosen.csv \
+        --refit wgmma The check compares, on each shape of the check files, the plan the model
 picks (among the timed plans of the plan space) with cuBLAS and with the fastest timed plan.
 It prints the fitted constants as Python, for ``plan_model.py``'s ``H100_COSTS``.
 """
@@ -112,6 +118,27 @@ def current_kernels(rows: Sequence[Timed]) -> list[Timed]:
     if any(portable(r) and r.narrow and r.pitch_hints for r in rows):
         return [r for r in rows if not (portable(r) and r.narrow and not r.pitch_hints)]
     return list(rows)
+
+
+def scaled_to_model(rows: Sequence[Timed], picks: Sequence[Timed],
+                    costs: plan_model.Costs) -> list[Timed]:
+    """``rows`` in the units of ``costs``: each product's times (and cuBLAS's) times the
+    model's prediction for that product's pick in ``picks`` (a ``--chosen-only`` run of the
+    same session) over the pick's measured time, so that a kernel's timings on another GPU
+    (or another day) can be fitted beside constants fitted elsewhere. Products without such a
+    pick (none timed, transposed, or on a kernel the constants do not cost) are left out."""
+    costed = {key[0] for key in costs.tiles} | set(plan_model.REFINES)
+    factors = {}
+    for pick in picks:
+        if _cost_kernel(pick) not in costed:
+            continue
+        predicted = plan_model.predict_us(
+            costs, pick.plan, pick.m, pick.n, pick.k, pick.element_size, 2, pick.aligned,
+            pick.narrow, pick.a_m_contiguous, pick.pitch_vector)
+        factors[pick.shape[1:]] = predicted / pick.us
+    return [dataclasses.replace(r, us=r.us * factors[r.shape[1:]],
+                                cublas_us=r.cublas_us * factors[r.shape[1:]])
+            for r in rows if r.shape[1:] in factors]
 
 
 def _pitches(r: Mapping[str, Any]) -> list[int]:
@@ -382,6 +409,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan-sweep CSVs timed after the constants: move each cost "
                              "kernel's launch constants by the offset that fits them best "
                              "(after --fit, if given), print the offsets and the constants")
+    parser.add_argument("--scale-by", default=None, metavar="CSV",
+                        help="a --chosen-only plan-sweep CSV of the same run as --fit's: fit "
+                             "their times scaled into the constants' units (scaled_to_model), "
+                             "as for --refit of a kernel timed on another GPU")
     parser.add_argument("--num-sms", type=int, default=132)
     parser.add_argument("--refit", default=None, metavar="KERNEL",
                         help="fit only the tiles of this cost kernel (plan_model.cost_kernel: "
@@ -413,6 +444,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fit:
         rows = current_kernels([row for path in (*args.fit, *args.fit_before)
                                 for row in fitted[path]])
+        if args.scale_by is not None:
+            try:
+                picks = read([args.scale_by])
+            except (OSError, KeyError, ValueError) as error:
+                parser.error(str(error))
+            rows = scaled_to_model(rows, picks, costs)
+            if not rows:
+                parser.error(f"--scale-by {args.scale_by}: no product of --fit's has a costed "
+                             "pick there")
         if args.refit is not None:
             costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
         else:
