@@ -409,8 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="plan-sweep CSVs timed after the constants: move each cost "
                              "kernel's launch constants by the offset that fits them best "
                              "(after --fit, if given), print the offsets and the constants")
-    parser.add_argument("--scale-by", default=None, metavar="CSV",
-                        help="a --chosen-only plan-sweep CSV of the same run as --fit's: fit "
+    parser.add_argument("--scale-by", nargs="*", default=None, metavar="CSV",
+                        help="--chosen-only plan-sweep CSVs of the same runs as --fit's: fit "
                              "their times scaled into the constants' units (scaled_to_model), "
                              "as for --refit of a kernel timed on another GPU")
     parser.add_argument("--num-sms", type=int, default=132)
@@ -444,15 +444,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fit:
         rows = current_kernels([row for path in (*args.fit, *args.fit_before)
                                 for row in fitted[path]])
-        if args.scale_by is not None:
+        if args.scale_by:
             try:
-                picks = read([args.scale_by])
+                picks = read(args.scale_by)
             except (OSError, KeyError, ValueError) as error:
                 parser.error(str(error))
             rows = scaled_to_model(rows, picks, costs)
             if not rows:
-                parser.error(f"--scale-by {args.scale_by}: no product of --fit's has a costed "
-                             "pick there")
+                parser.error("--scale-by: no product of --fit's has a costed pick there")
         if args.refit is not None:
             costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
         else:
