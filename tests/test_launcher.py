@@ -15,6 +15,7 @@ from samples import randn, reference, rel_error, tolerance
 
 import torch_triton_gemm as tg
 from torch_triton_gemm import tuning
+from torch_triton_gemm.kernels import wgmma_fp8
 from torch_triton_gemm.kernels.matmul import mm_kernel, mm_tma_kernel, splitk_reduce_kernel
 from torch_triton_gemm.ops import graph_descriptors, launcher, operands
 from torch_triton_gemm.ops import mm as mm_module
@@ -404,3 +405,39 @@ def test_direct_tma_launches_get_the_shared_scratch_buffer(recorder, device, mon
     programs = recorder.direct[0][1][0] * recorder.direct[0][1][1] * recorder.direct[0][1][2]
     assert [(size, stream) for size, stream, _ in buffers] == [(programs * 384, _STREAM)] * 2
     assert recorder.scratch == [buffer.data_ptr() for _, _, buffer in buffers]
+
+
+@pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
+def test_warp_specialized_k_splits_launch_with_a_reduction():
+    """A K-split plan of the warp-specialized kernel launches one persistent program per SM
+    (at most one per unit) over tiles x splits units with SPLIT set and no bias (the
+    reduction adds it), then splitk_reduce_kernel over the kernel's tiles (its order, a slot
+    per unit); an unsplit plan neither splits nor reduces and takes the bias itself."""
+    from torch_triton_gemm.kernels import wgmma_fp8
+
+    a = torch.empty(100, 4096, dtype=torch.bfloat16)
+    w = torch.empty(1000, 4096, dtype=torch.bfloat16)
+    bias = torch.empty(1000, dtype=torch.bfloat16)
+    out = torch.empty(100, 1000, dtype=torch.bfloat16)
+    tile = tuning.WS_SPLIT_TILES[0]  # 64x128: 2 x 8 tiles
+    prepared = launcher.prepare_launch(a, w.t(), bias, out, "none", False,
+                                       tuning.MMPlan(tuning.WS_KERNEL, tile, 3), None)
+    assert prepared.kernel is wgmma_fp8.ws_gemm_kernel
+    ((grid, meta, runtime_args),) = prepared.launches
+    splits, k_per_split = tuning.effective_split(4096, 64, 3)
+    assert splits == 3 and grid == (min(launcher.num_sms(a.device), 16 * 3),)
+    assert meta["SPLIT"] and meta["CONSUMERS"] == 1 and meta["BLOCK_N"] == 128
+    params = wgmma_fp8.ws_gemm_kernel.arg_names[8:]
+    named = dict(zip(params, runtime_args))
+    assert (named["splits"], named["k_per_split"], named["HAS_BIAS"]) == (3, k_per_split, False)
+    assert prepared.workspace_shape == (16 * 3, 64, 128)
+    reduce_grid, reduce_args, reduce_meta = prepared.reduce
+    assert (reduce_meta["SPLIT_K"], reduce_meta["TILE_M"], reduce_meta["TILE_N"],
+            reduce_meta["GROUP_M"]) == (3, 64, 128, tile.group_m)
+    assert reduce_args[:2] == (100, 1000) and reduce_args[5:7] == (0, True)  # first tile, bias
+    whole = launcher.prepare_launch(a, w.t(), bias, out, "none", False,
+                                    tuning.MMPlan(tuning.WS_KERNEL, tile), None)
+    ((_, meta, runtime_args),) = whole.launches
+    named = dict(zip(params, runtime_args))
+    assert not meta["SPLIT"] and whole.reduce is None and whole.workspace_shape is None
+    assert (named["splits"], named["k_per_split"], named["HAS_BIAS"]) == (1, 4096, True)
