@@ -90,20 +90,16 @@ SCALE_BLOCK = 128  # blockwise scales: one per 128 of K, and scale_b one per 128
 CONSUMER_REGS = {1: 232, 2: 232, 3: 160}
 
 
-
 def host_descriptors(a: Any, b: Any, out: Any, M: int, N: int, K: int, stride_am: int,
                      stride_bn: int, stride_cm: int, block_n: int) -> tuple[Any, Any, Any]:
     """A's [M, K], B's transpose [N, K] and C's [M, N] TMA descriptors built on the host, as
     ``ws_gemm_kernel`` builds them on the device (boxes of 64 rows, or of block_n rows of B,
     by a K step of 128 bytes; C's of 64 rows by block_n; each its default swizzled layout),
     for its HOST_DESCRIPTORS variant. Raises AssertionError where TMA cannot describe a
-    tensor (alignment, a last stride that is not 1)."""
-    dtypes = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16,
-              "torch.float32": gl.float32, "torch.float8_e4m3fn": gl.float8e4nv,
-              "torch.float8_e5m2": gl.float8e5}
+    tensor (alignment, a last stride that is not 1), KeyError for a dtype it does not take."""
 
     def describe(t: Any, shape: list[int], stride: int, block: list[int]) -> Any:
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtypes[str(t.dtype)])
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[str(t.dtype)])
         return TensorDescriptor(t, shape, [stride, 1], block,
                                 getattr(layout, "value", layout))  # (a constexpr on some Tritons)
 
@@ -114,6 +110,10 @@ def host_descriptors(a: Any, b: Any, out: Any, M: int, N: int, K: int, stride_am
 
 
 if AVAILABLE:
+    # Gluon's dtype of each torch dtype the kernel's descriptors describe (host_descriptors).
+    _GL_DTYPES = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16,
+                  "torch.float32": gl.float32, "torch.float8_e4m3fn": gl.float8e4nv,
+                  "torch.float8_e5m2": gl.float8e5}
     _ROWS = gl.constexpr(ROWS_PER_CONSUMER)
     _SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)
 

@@ -228,7 +228,7 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
         launches.append(gemm_launch(whole_tiles, split_units, True, k_per_split))
     if split_k > 1 and not fixup:
         reduce = _split_reduction(out, bias, activation, tile, tiles - whole_tiles, whole_tiles,
-                                  split_k, index_64, c_align, pdl_capability)
+                                  split_k, index_64, pdl_capability)
     workspace = locks = counters = None
     if split_k > 1:
         workspace = (split_units, tile.block_m, tile.block_n)
@@ -244,13 +244,16 @@ def prepare_launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 
 def _split_reduction(out: torch.Tensor, bias: torch.Tensor | None, activation: str,
                      tile: tuning.TileConfig, split_tiles: Any, first_tile: Any, split_k: int,
-                     index_64: bool, c_align: int, pdl_capability: tuple[int, int]
+                     index_64: bool, pdl_capability: tuple[int, int]
                      ) -> tuple[tuple[Any], tuple[Any, ...], Mapping[str, Any]]:
     """The launch (grid, runtime arguments, meta) of splitk_reduce_kernel adding the
     ``split_k`` fp32 partials of the ``split_tiles`` tiles from ``first_tile`` on (the GEMM's
     tiles in its L2-grouped order; workspace slot s * split_tiles + tile) and running the
-    epilogue (bias, activation, cast) into ``out``."""
+    epilogue (bias, activation, cast) into ``out``, whose rows it stores in vectors as the
+    GEMM kernels do (C_ALIGN)."""
     M, N = out.shape
+    c_align = (tuning.store_alignment(out.stride(0), N, out.element_size())
+               if tuning.pitch_hints_enabled() else 1)
     sms = num_sms(out.device)
     block_m, block_n, num_warps = tuning.reduce_tile(split_tiles, tile.block_m, tile.block_n,
                                                      sms)
@@ -317,10 +320,7 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
     if splits > 1:
         workspace = (tiles * splits, tile.block_m, tile.block_n)
         index_64 = needs_int64_indexing(((M, N, out.stride(0), 1),))
-        c_align = (tuning.store_alignment(out.stride(0), N, out.element_size())
-                   if tuning.pitch_hints_enabled() else 1)
-        reduce = _split_reduction(out, bias, activation, tile, tiles, 0, splits, index_64,
-                                  c_align, (0, 0))
+        reduce = _split_reduction(out, bias, activation, tile, tiles, 0, splits, index_64, (0, 0))
     return PreparedLaunch(wgmma_fp8.ws_gemm_kernel, (((programs,), meta, runtime_args),),
                           workspace, reduce, plan=plan)
 
