@@ -785,20 +785,27 @@ def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monke
                    for p in tuning.ws_plans(out_size))
     assert len(tuning.ws_plans(4)) < len(ws)  # fp32 192x128 C tiles leave no room
     args = (3072, 3072, 3072, 2, 2, True, 132, True, False)
-    assert not plan_model.WS_PLANS
+    assert plan_model.WS_PLANS and plan_model.WS_FLOPS[0] <= 2 * 3072 ** 3 <= (
+        plan_model.WS_FLOPS[1])
     baseline = plan_model.modelled_plan(*args)
-    assert plan_model.modelled_plan(*args, wgmma=True) == baseline
-    monkeypatch.setattr(plan_model, "WS_PLANS", True)
-    assert plan_model.modelled_plan(*args) == baseline
+    assert not tuning.warp_specialized(baseline)
     uncosted = dataclasses.replace(plan_model.H100_COSTS, tiles={
         k: v for k, v in plan_model.H100_COSTS.tiles.items() if k[0] != tuning.WS_KERNEL})
     cheap = plan_model.TileCost(1.0, 0.01, 0.01)
     costed = dataclasses.replace(uncosted, tiles={
-        **uncosted.tiles, **{plan_model._tile_key(tuning.WS_KERNEL, p.tile): cheap for p in ws}})
+        **uncosted.tiles, **{plan_model._tile_key(tuning.WS_KERNEL, p.tile): cheap
+                             for p in ws + tuning.ws_split_plans(64, 4096, 4096, 2, 2, 132)}})
     monkeypatch.setattr(plan_model, "H100_COSTS", uncosted)
     assert plan_model.modelled_plan(*args, wgmma=True) == baseline
     monkeypatch.setattr(plan_model, "H100_COSTS", costed)
     assert plan_model.modelled_plan(*args, wgmma=True).kernel == tuning.WS_KERNEL
+    # Only products within WS_FLOPS, and only with WS_PLANS on.
+    for m, n, k in ((64, 64, 64), (256, 512, 1024), (8192, 8192, 8192)):
+        assert not plan_model.WS_FLOPS[0] <= 2 * m * n * k <= plan_model.WS_FLOPS[1]
+        small = (m, n, k, 2, 2, True, 132, True, False)
+        assert plan_model.modelled_plan(*small, wgmma=True) == plan_model.modelled_plan(*small)
+    monkeypatch.setattr(plan_model, "WS_PLANS", False)
+    assert plan_model.modelled_plan(*args, wgmma=True) == baseline
 
 
 def test_warp_specialized_k_splits(h100):

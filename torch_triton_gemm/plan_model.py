@@ -621,13 +621,19 @@ def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None,
         machine, num_sms=num_sms, l2_bytes=l2_bytes, bytes_per_us=bytes_per_us))
 
 
-# Whether the warp-specialized kernel's 16-bit plans (tuning.WS_KERNEL) compete where they
-# can run a product: off. Costed by their constants below, the picks they took on held-out
-# sweeps ran 0.95x as fast as the Triton kernels' picks on an H200 (58 products of seeds
-# 2146-2149; the named suites' 42 moves 1.00x: 1536^3-like products 1.11-1.16x, short-K and
-# mid-size TMA products 0.8-0.9x; docs/data/wgmma-ab-h200-seed2142-2149.csv). Autotuning
-# times them (tune.py), and bench.plans --wgmma weighs them as the planner would.
-WS_PLANS = False
+# Whether the warp-specialized kernel's 16-bit plans (tuning.WS_KERNEL, its K splits and
+# 64-row tiles) compete where they can run a product, and for which products: those of
+# WS_FLOPS[0] to WS_FLOPS[1] floating-point operations (2 M N K). Costed by their constants
+# below, they took 40 of 130 such products timed on an H200 (every ws plan beside the Triton
+# kernels' picks, seeds 2141 and 2070 and the few-row and class probes:
+# docs/data/ws-fit-*-h200-30a3e39.csv), 1.11x faster in geomean, the worst 0.92x; outside
+# that range their picks lost: tiny products (launch and descriptor set-up, 0.5-0.9x) and
+# products of 10^11 and more, where the Triton kernels' deep K splits ran 1.0-1.2x faster.
+# An earlier version (every product, 128-row tiles only, constants fitted on fewer timings)
+# ran its held-out picks 0.95x as fast (docs/data/wgmma-ab-h200-seed2142-2149.csv).
+# Autotuning times them everywhere (tune.py), and bench.plans --no-wgmma plans without them.
+WS_PLANS = True
+WS_FLOPS = (2 ** 30, 2 ** 36)
 
 
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
@@ -652,8 +658,9 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     # such plans), and so the warp-specialized kernel's plans.
     fixups = "fixup" in costs.launch_us
     costed = {key[0] for key in costs.tiles}
+    ws = wgmma and WS_PLANS and WS_FLOPS[0] <= 2 * m * n * k <= WS_FLOPS[1]
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned,
-                                          wgmma_out_size=out_size if wgmma and WS_PLANS else 0)
+                                          wgmma_out_size=out_size if ws else 0)
              if not p.stream_k and (fixups or not p.split_fixup)
              and (not tuning.warp_specialized(p) or p.kernel in costed)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
@@ -800,15 +807,20 @@ H100_COSTS = Costs(
         ('tma', 128, 256, 8, 3): TileCost(7.269, 0.7479, 3.356),
         ('tma', 128, 256, 8, 4): TileCost(6.256, 0.6578, 2.138),
         ('tma', 256, 128, 8, 3): TileCost(6.372, 0.8464, 3.223),
-        # The warp-specialized kernel's 16-bit tiles (WS_PLANS: off), fitted alone (bench.fit's
-        # fit, every other constant fixed) on its H200 timings scaled into these constants'
-        # units: each time times the model's prediction for the Triton kernels' pick on that
-        # product over the pick's time in the same run (docs/data/wgmma-probe-h200.csv and the
-        # first A/B of wgmma-ab-h200-seed2142-2149.csv; unscaled, bench.fit --refit wgmma on
-        # plans-h200-seed2141-wgmma.csv gave launches of 2.8-4.3 us, and picks 0.89x as fast).
-        ('wgmma', 128, 128, 4, 4): TileCost(8.669, 0.3728, 1.307),
-        ('wgmma', 128, 256, 4, 3): TileCost(6.887, 0.6638, 3.095),
-        ('wgmma', 192, 128, 4, 4): TileCost(6.775, 0.5188, 2.449),
+        # The warp-specialized kernel's 16-bit tiles (see WS_PLANS), fitted alone (bench.fit
+        # --refit wgmma --min-launch 2, every other constant fixed) on its H200 timings scaled
+        # into these constants' units (--scale-by: each time times the model's prediction for
+        # the Triton kernels' pick on that product over the pick's time in the same run):
+        # every ws plan on seed 2141's sweep, seed 2070's mid-row products and the few-row and
+        # class probes (docs/data/ws-fit-*-h200-30a3e39.csv, ws-host-*-h200-87d9168.csv).
+        # Unbounded, two tiles' launches fitted to zero and the model put products of a few
+        # KFLOP on them. In-sample, with WS_FLOPS, floors of 0, 2, 3 and 5 us moved 42, 40,
+        # 34 and 23 of the 130 products, 1.11x, 1.11x, 1.11x and 1.09x faster.
+        ('wgmma', 64, 128, 4, 6): TileCost(2.0, 0.2328, 3.348),
+        ('wgmma', 64, 256, 4, 4): TileCost(2.0, 0.4291, 3.952),
+        ('wgmma', 128, 128, 4, 4): TileCost(2.0, 0.4206, 3.581),
+        ('wgmma', 128, 256, 4, 3): TileCost(2.0, 0.7573, 4.502),
+        ('wgmma', 192, 128, 4, 4): TileCost(5.93, 0.5644, 0.0),
     },
     machine=Machine(132, 2.46e+06, 3.21e+04),
 )

@@ -199,7 +199,7 @@ def costs_from(vector: Sequence[float], keys: Sequence[tuple[str, int, int, int,
 
 
 def fit(rows: Sequence[Timed], num_sms: int,
-        fixed: plan_model.Costs | None = None) -> plan_model.Costs:
+        fixed: plan_model.Costs | None = None, min_launch_us: float = 0.0) -> plan_model.Costs:
     """Least-squares fit of the log predicted time to the log measured time, on features of
     each timed plan computed once (``plan_model.plan_work``): the same sum as
     ``plan_model.predict_us``, in numpy. With ``fixed``, only the tiles of ``rows`` are
@@ -207,7 +207,8 @@ def fit(rows: Sequence[Timed], num_sms: int,
     ``before`` a change to the launches share every constant with today's rows except their
     launch constants, which are today's times a factor per cost kernel (fitted, not returned):
     older sweeps still teach the model how K steps and tiles cost, and today's rows alone
-    what a launch costs, where both are given."""
+    what a launch costs, where both are given. ``min_launch_us``: the least launch constant a
+    fitted tile may take (0: unbounded)."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -273,8 +274,13 @@ def fit(rows: Sequence[Timed], num_sms: int,
     start = [] if fixed is not None else [
         math.log(v) for v in (2.0, 2.0, 0.5, 2.5e6, 3.0e4, 1.0, 0.01)]
     start += [math.log(3.0), math.log(0.3), math.log(0.5)] * len(keys) + [0.0] * len(eras)
+    lower = np.full(len(start), -np.inf)
+    if min_launch_us > 0:
+        first = len(start) - len(eras) - n_tiles  # the tiles' constants follow the globals
+        lower[first:first + n_tiles:len(PER_TILE)] = math.log(min_launch_us)
+        start = np.maximum(start, lower + 1e-9)
     result = least_squares(lambda v: np.log(predict(v)) - measured, start, loss="soft_l1",
-                           f_scale=0.1, max_nfev=2000)
+                           f_scale=0.1, max_nfev=2000, bounds=(lower, np.inf))
     fitted_vector = list(result.x[:len(result.x) - len(eras)])
     if eras:
         print("launch factors of the rows timed before: " + ", ".join(
@@ -419,7 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "portable, portable-narrow, portable-narrow-vector, portable-mcol, "
                              "tma, wgmma) on the fit files' rows of it; every other constant stays "
                              "plan_model.H100_COSTS's")
+    parser.add_argument("--min-launch", type=float, default=0.0, metavar="US",
+                        help="the least launch constant (microseconds) a fitted tile may take "
+                             "(default: unbounded)")
     args = parser.parse_args(argv)
+    if args.min_launch < 0:
+        parser.error(f"--min-launch: microseconds, at least 0, not {args.min_launch}")
     if args.fit_before and not args.fit:
         parser.error("--fit-before needs --fit: today's timings set the launch constants")
     if not args.fit and not args.check and not args.rebase_launches:
@@ -453,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not rows:
                 parser.error("--scale-by: no product of --fit's has a costed pick there")
         if args.refit is not None:
-            costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs)
+            costs = fit([r for r in rows if _key(r)[0] == args.refit], args.num_sms, costs,
+                        args.min_launch)
         else:
-            costs = fit(rows, args.num_sms)
+            costs = fit(rows, args.num_sms, min_launch_us=args.min_launch)
         print(costs_source(costs))
         print("fit set (--fit's rows):")
         check(costs, [r for r in rows if not r.before])

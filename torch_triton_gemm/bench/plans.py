@@ -399,9 +399,9 @@ RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--dram-scaling", "DRAM_SCALING", True,
      "plan with the memory system's bandwidth scaled to the GPU's peak DRAM bandwidth "
      "(plan_model.DRAM_SCALING on)"),
-    ("--wgmma", "WS_PLANS", True,
-     "plan as if Hopper's warp-specialized kernel's 16-bit plans competed where it runs the "
-     "product (plan_model.WS_PLANS on)"),
+    ("--no-wgmma", "WS_PLANS", False,
+     "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
+     "(plan_model.WS_PLANS off)"),
 )
 
 
