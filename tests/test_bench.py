@@ -1620,11 +1620,13 @@ def test_plan_picks_with_the_narrow_overlap_rule_off(tmp_path):
 def test_plan_picks_with_the_l2_limit_off(tmp_path):
     """--no-l2-limit plans as if tiles' reads from L2 cost nothing (the other arm of the L2
     limit's A/B), in that call only: against it, the limit moves Llama's gate and up
-    projections at 128 tokens alone, off 64x64 tiles."""
+    projections at 128 tokens alone, off 64x64 tiles (both arms without the warp-specialized
+    kernel's plans, which take them over)."""
     from torch_triton_gemm.bench import plans
 
     changes, moved = _picks_moved_by_a_rule(
-        tmp_path, ["--suites", "llama", "--dtypes", "bf16"], "--no-l2-limit", "L2_BYTES_PER_US")
+        tmp_path, ["--suites", "llama", "--dtypes", "bf16", "--no-wgmma"], "--no-l2-limit",
+        "L2_BYTES_PER_US")
     assert [(r["name"], r["M"]) for r in changes] == [("gate_up", "128")]
     assert changes[0]["plan_before"].startswith("portable:64x64x")
     assert not changes[0]["plan"].startswith("portable:64x64x")

@@ -623,17 +623,24 @@ def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None,
 
 # Whether the warp-specialized kernel's 16-bit plans (tuning.WS_KERNEL, its K splits and
 # 64-row tiles) compete where they can run a product, and for which products: those of
-# WS_FLOPS[0] to WS_FLOPS[1] floating-point operations (2 M N K). Costed by their constants
-# below, they took 40 of 130 such products timed on an H200 (every ws plan beside the Triton
-# kernels' picks, seeds 2141 and 2070 and the few-row and class probes:
-# docs/data/ws-fit-*-h200-30a3e39.csv), 1.11x faster in geomean, the worst 0.92x; outside
-# that range their picks lost: tiny products (launch and descriptor set-up, 0.5-0.9x) and
-# products of 10^11 and more, where the Triton kernels' deep K splits ran 1.0-1.2x faster.
-# An earlier version (every product, 128-row tiles only, constants fitted on fewer timings)
-# ran its held-out picks 0.95x as fast (docs/data/wgmma-ab-h200-seed2142-2149.csv).
-# Autotuning times them everywhere (tune.py), and bench.plans --no-wgmma plans without them.
+# WS_FLOPS[0] to WS_FLOPS[1] floating-point operations (2 M N K), at least WS_MIN_ROWS rows
+# and WS_MIN_COLUMNS columns. Costed by their constants below, they took 40 of 130 products
+# of that FLOP range timed on an H200 (every ws plan beside the Triton kernels' picks, seeds
+# 2141 and 2070 and the few-row and class probes: docs/data/ws-fit-*-h200-30a3e39.csv),
+# 1.11x faster in geomean, the worst 0.92x; outside it their picks lost: tiny products
+# (launch and descriptor set-up, 0.5-0.9x) and products of 10^11 and more, where the Triton
+# kernels' deep K splits ran 1.0-1.2x faster. On held-out seeds 2162-2163, seed 2071's
+# mid-row products and the named suites (113 moved picks, both arms in one run,
+# docs/data/ws-plans-ab-h200-cba8121.csv) the FLOP range alone gave 1.06x, but outputs of 64
+# columns ran 0.5-0.75x (half of each 128-column tile idle on memory-bound products) and
+# products of 23-32 rows 0.88-0.92x (the transposed rule's few rows); without those (93
+# picks) 1.12x, worst 0.78x. An earlier version (every product, 128-row tiles only) ran its
+# held-out picks 0.95x as fast (docs/data/wgmma-ab-h200-seed2142-2149.csv). Autotuning times
+# them everywhere (tune.py), and bench.plans --no-wgmma plans without them.
 WS_PLANS = True
 WS_FLOPS = (2 ** 30, 2 ** 36)
+WS_MIN_ROWS = 33
+WS_MIN_COLUMNS = 256
 
 
 def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma: bool,
@@ -658,7 +665,8 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     # such plans), and so the warp-specialized kernel's plans.
     fixups = "fixup" in costs.launch_us
     costed = {key[0] for key in costs.tiles}
-    ws = wgmma and WS_PLANS and WS_FLOPS[0] <= 2 * m * n * k <= WS_FLOPS[1]
+    ws = (wgmma and WS_PLANS and WS_FLOPS[0] <= 2 * m * n * k <= WS_FLOPS[1]
+          and m >= WS_MIN_ROWS and n >= WS_MIN_COLUMNS)
     plans = [p for p in tuning.plan_space(m, n, k, element_size, tma, num_sms, aligned,
                                           wgmma_out_size=out_size if ws else 0)
              if not p.stream_k and (fixups or not p.split_fixup)
