@@ -1810,7 +1810,8 @@ def test_fit_says_what_is_wrong_with_its_input(tmp_path, capsys):
                                               "No such file"),
              (["--check", str(tmp_path)], "Is a directory"),
              (["--check", str(header_only)], "no timed plans"),
-             (["--refit", "nosuch", "--check", str(header_only)], "--refit: one of")]
+             (["--refit", "nosuch", "--check", str(header_only)], "--refit: one of"),
+             (["--min-launch", "-1", "--check", str(header_only)], "--min-launch: microseconds")]
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     cases.append((["--check", str(tmp_path / "other.csv")], "not a plan-sweep CSV"))
     for argv, message in cases:

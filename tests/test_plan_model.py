@@ -370,6 +370,25 @@ def test_a_refit_of_one_cost_kernel_recovers_its_tiles_and_keeps_the_rest():
         assert abs(math.log(predicted / r.us)) < 0.05, (r.plan, r.m, r.n, r.k)
 
 
+def test_a_refit_with_a_launch_floor_keeps_every_fitted_launch_above_it():
+    """Timings made from narrow tiles whose launches are nearly free (0.05 us): an unbounded
+    refit finds launches under the floor, a refit with ``min_launch_us`` keeps every fitted
+    tile's launch at or above it (and leaves the other tiles as they were)."""
+    pytest.importorskip("scipy")
+    base = plan_model.H100_COSTS
+    truth = {key: dataclasses.replace(cost, launch_us=0.05)
+             for key, cost in _scaled_narrow_tiles(base, 1.0, 1.0, 1.0).items()}
+    rows = _narrow_rows(dataclasses.replace(base, tiles={**base.tiles, **truth}),
+                        _REFIT_SHAPES)
+    timed = {fit._key(r) for r in rows}  # the tiles the refit fits
+    free = fit.fit(rows, 132, base)
+    assert min(free.tiles[key].launch_us for key in timed) < 1.0
+    floored = fit.fit(rows, 132, base, min_launch_us=1.0)
+    assert all(floored.tiles[key].launch_us >= 1.0 - 1e-6 for key in timed)
+    assert all(floored.tiles[key] == cost for key, cost in base.tiles.items()
+               if key not in timed)
+
+
 def test_a_launch_rebase_recovers_each_kernels_offset_and_keeps_the_rest():
     """Timings made from constants whose TMA launches are 1.5 us cheaper and portable ones 0.8
     us cheaper (as launches got cheaper after the constants were fitted): the rebase finds
@@ -767,9 +786,9 @@ def test_the_l2_limit_raises_the_picks_on_held_out_h200_timings(monkeypatch):
 def test_warp_specialized_plans_join_the_space_where_the_kernel_runs(h100, monkeypatch):
     """The 16-bit plans of Hopper's warp-specialized kernel join the plan space and tuning's
     candidates only where the kernel runs the product (``wgmma_out_size``), last, each fitting
-    shared memory. The plan model weighs them only with ``WS_PLANS`` on (off: they lost a
-    held-out A/B) and constants that cost that kernel, and then picks one where it is
-    cheapest."""
+    shared memory. The plan model weighs them only with ``WS_PLANS`` on (the default), for
+    products within ``WS_FLOPS`` and constants that cost that kernel, and then picks one where
+    it is cheapest."""
     plain = list(tuning.plan_space(3072, 3072, 3072, 2, True, 132))
     assert not any(p.kernel == tuning.WS_KERNEL for p in plain)
     with_ws = list(tuning.plan_space(3072, 3072, 3072, 2, True, 132, wgmma_out_size=2))
