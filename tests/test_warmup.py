@@ -92,6 +92,42 @@ def _keys(specs: list[compile_ahead.GemmSpec]) -> set[tuple]:
 
 # --- the products and variants a call needs -------------------------------------------------------
 
+def test_a_product_is_planned_as_eager_calls_plan_it_without_tuning(monkeypatch):
+    """Compiling ahead plans a product as a plain eager call does, without tuning it: on an
+    sm_90 GPU (its numbers from bench.picks) a product the plan model gives Hopper's
+    warp-specialized kernel compiles that kernel, the one eager calls launch, though traced
+    calls take a Triton kernel. With autotuning on, nothing tunes, and the untuned plan is
+    not kept for the eager call that will tune."""
+    from torch_triton_gemm import plan_model
+    from torch_triton_gemm.bench import picks
+    from torch_triton_gemm.kernels import wgmma_fp8
+    from torch_triton_gemm.ops import operands, planner
+
+    if not wgmma_fp8.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(operands, "on_hopper_with_gluon", lambda device: True)
+    monkeypatch.setattr(planner, "_PLANS", {})
+    spec = compile_ahead.linear_spec(2048, 2048, 2048, torch.bfloat16, "cuda:0")
+    assert plan_model.WS_PLANS
+    with picks.h100():
+        (variant,) = compile_ahead.variants(spec)
+        assert variant.kernel is wgmma_fp8.ws_gemm_kernel
+        eager = planner.plan_mm(spec.a, spec.b, None, spec.out(), "none", False)
+        traced = planner.plan_mm(spec.a, spec.b, None, spec.out(), "none", True)
+        assert tuning.warp_specialized(eager) and not tuning.warp_specialized(traced)
+        planner._PLANS.clear()
+        monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+
+        def no_tuning(*args):  # type: ignore[no-untyped-def]
+            raise AssertionError("compiling ahead tuned")
+
+        import torch_triton_gemm.tune as tune
+
+        monkeypatch.setattr(tune, "tune_on_first_use", no_tuning)
+        (again,) = compile_ahead.variants(spec)
+        assert again.key() == variant.key() and not planner._PLANS
+
+
 def test_backward_specs_of_a_linear_layer():
     M, N, K = 64, 48, 32
     spec = compile_ahead.linear_spec(M, N, K, DTYPE, "cpu")  # x @ W.t()

@@ -190,8 +190,9 @@ def variants(spec: GemmSpec) -> list[Variant]:
     out = spec.out()
     if a.shape[0] == 0 or b.shape[1] == 0:
         return []
-    # traceable=True: planning here never tunes (tuning times plans on real tensors).
-    plan = plan_mm(a, b, bias, out, activation, True)  # type: ignore[arg-type]
+    # As an eager call plans it (Hopper's warp-specialized kernel included, which traced calls
+    # never take), without tuning: tuning times plans on real tensors.
+    plan = plan_mm(a, b, bias, out, activation, False, tune=False)  # type: ignore[arg-type]
     prepared = prepare_launch(a, b, bias, out, activation, False, plan, None)  # type: ignore
     eager = eager_mm_plan(a, b, out, prepared.plan)  # type: ignore[arg-type]
     if eager is not None:  # what plain eager calls launch instead (mm_eager_call)

@@ -28,12 +28,14 @@ from .operands import (
 
 
 def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            activation: str, traceable: bool, scales: GemmScales | None = None) -> tuning.MMPlan:
+            activation: str, traceable: bool, scales: GemmScales | None = None, *,
+            tune: bool = True) -> tuning.MMPlan:
     """The plan of a GEMM launch writing activation(a @ b + bias) into ``out`` (checked inputs,
     M and N non-zero), for the launcher's ``prepare_launch``. Symbolic sizes (torch.compile with
     dynamic shapes) get one plan for every size, so that nothing guards on them; known sizes get
     ``_plan``'s, for the operands as the kernels will see them (padded copies included).
-    ``traceable=False`` marks a plain eager call, the only kind that may tune on first use."""
+    ``traceable=False`` marks a plain eager call, the only kind that may tune on first use
+    (``tune=False``: an eager call's plan without tuning, as compiling ahead plans it)."""
     (M, K), N = a.shape, b.shape[1]
     if not (type(M) is int and type(N) is int and type(K) is int):
         return tuning.symbolic_mm_plan(a.element_size())
@@ -50,8 +52,8 @@ def plan_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: to
     # Inductor cannot parse Gluon either: traced calls keep the Triton kernels.
     wgmma = not traceable and activation == "none" and ws_applies(a, b, out)
     return _plan(a, b, bias, activation, out.element_size(), layout_key(stride_ak, stride_bk),
-                 tma_args is not None and _device.supports_tma(a.device), not traceable, scales,
-                 _model_view(a, b, tma_args, pads), wgmma)
+                 tma_args is not None and _device.supports_tma(a.device), tune and not traceable,
+                 scales, _model_view(a, b, tma_args, pads), wgmma)
 
 
 def ws_applies(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
@@ -232,9 +234,16 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
                                         scaling=scaling, fast_accum=fast_accum)
-    if len(_PLANS) >= _PLANS_LIMIT:
-        _PLANS.clear()
-    _PLANS[memo_key] = plan
+    # A plan made without the tuning an eager call would do (tuning on first use, a plan
+    # made ahead by compile_ahead) is not kept for that call.
+    skipped_tuning = (not eager and device.type == "cuda" and scales is None
+                      and plan_cache.TUNED.get(device, plan_cache.plan_key(
+                          M, N, K, a.dtype, layout, tma)) is None
+                      and tuning.autotune_enabled())
+    if not skipped_tuning:
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        _PLANS[memo_key] = plan
     return plan
 
 
