@@ -633,10 +633,14 @@ def with_machine(costs: Costs, num_sms: int, l2_bytes: int | None = None,
 # mid-row products and the named suites (113 moved picks, both arms in one run,
 # docs/data/ws-plans-ab-h200-cba8121.csv) the FLOP range alone gave 1.06x, but outputs of 64
 # columns ran 0.5-0.75x (half of each 128-column tile idle on memory-bound products) and
-# products of 23-32 rows 0.88-0.92x (the transposed rule's few rows); without those (93
-# picks) 1.12x, worst 0.78x. An earlier version (every product, 128-row tiles only) ran its
-# held-out picks 0.95x as fast (docs/data/wgmma-ab-h200-seed2142-2149.csv). Autotuning times
-# them everywhere (tune.py), and bench.plans --no-wgmma plans without them.
+# products of 23-32 rows 0.88-0.92x (the transposed rule's few rows), hence the bounds on
+# rows and columns. Held out for those bounds (seeds 2164-2165, seed 2072's mid-row
+# products, the named suites: 113 moves, docs/data/ws-plans-ab-h200-a74a2fd.csv): 1.06x,
+# per set 1.09x, 1.02x, 1.05x and 1.06x; worst 0.75-0.77x (11064 x 344 x 504 and 16256 x
+# 4968 x 64 on 192x128 tiles, 140 x 14448 x 9056 on 64x128). An earlier version (every
+# product, 128-row tiles only) ran its held-out picks 0.95x as fast
+# (docs/data/wgmma-ab-h200-seed2142-2149.csv). Autotuning times them everywhere (tune.py),
+# and bench.plans --no-wgmma plans without them.
 WS_PLANS = True
 WS_FLOPS = (2 ** 30, 2 ** 36)
 WS_MIN_ROWS = 33
