@@ -11,9 +11,12 @@ the model's prediction for the pick of a ``bench.plans --chosen-only`` run of th
 over the pick's time), as for a kernel timed on another GPU than the constants':
 
     python -m torch_triton_gemm.bench.fit --fit ws-plans.csv --scale-by chosen.csv \\
-        --refit wgmma The check compares, on each shape of the check files, the plan the model
-picks (among the timed plans of the plan space) with cuBLAS and with the fastest timed plan.
-It prints the fitted constants as Python, for ``plan_model.py``'s ``H100_COSTS``.
+        --refit wgmma [--min-launch 2]
+
+(``--min-launch US`` keeps every fitted launch constant at or above US microseconds.) The
+check compares, on each shape of the check files, the plan the model picks (among the timed
+plans of the plan space) with cuBLAS and with the fastest timed plan. It prints the fitted
+constants as Python, for ``plan_model.py``'s ``H100_COSTS``.
 """
 
 from __future__ import annotations

@@ -216,10 +216,14 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
     plan = _PLANS.get(memo_key)
     if plan is not None:
         return plan
+    # A plan made without the tuning an eager call would do (tuning on first use) is not kept
+    # for that call: one planned ahead (compile_ahead) or for a traced call.
+    skipped_tuning = False
     if device.type == "cuda" and scales is None:
         plan = plan_cache.TUNED.get(device, plan_cache.plan_key(M, N, K, a.dtype, layout, tma))
         if plan is not None and tuning.warp_specialized(plan) and not wgmma:
             plan = None  # tuned on an eager call; traced ones and activations cannot run it
+        skipped_tuning = plan is None and not eager and tuning.autotune_enabled()
         if plan is None and eager and tuning.autotune_enabled() and (
                 not torch.cuda.is_current_stream_capturing()):
             from ..tune import tune_on_first_use
@@ -234,12 +238,6 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
         plan = tuning.heuristic_mm_plan(M, N, K, a.element_size(), tma, num_sms(device),
                                         out_size, a_k_contiguous=bool(layout & 2),
                                         scaling=scaling, fast_accum=fast_accum)
-    # A plan made without the tuning an eager call would do (tuning on first use, a plan
-    # made ahead by compile_ahead) is not kept for that call.
-    skipped_tuning = (not eager and device.type == "cuda" and scales is None
-                      and plan_cache.TUNED.get(device, plan_cache.plan_key(
-                          M, N, K, a.dtype, layout, tma)) is None
-                      and tuning.autotune_enabled())
     if not skipped_tuning:
         if len(_PLANS) >= _PLANS_LIMIT:
             _PLANS.clear()
