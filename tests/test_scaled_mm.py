@@ -915,6 +915,43 @@ def test_fp8_precise_plans(monkeypatch):
     assert tuning.fp8_precise_plan(768, 2816, 132, 2).tile.block_m == 192
 
 
+def test_blockwise_ws_split_plans(monkeypatch):
+    """Blockwise products of 65-128 rows, K of 3072 or more, whose 128x128 tiles leave half
+    the SMs idle take the warp-specialized kernel's K splits: as many as one wave holds, each
+    of at least WS_MIN_STEPS_PER_SPLIT steps of 128; other row counts, wider outputs, shallow
+    K and the other recipes keep their plans."""
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 227 * 1024)
+    monkeypatch.setattr(tgemm_device, "interpreter_enabled", lambda: False)
+
+    def split(m, n, k, scaling="block"):
+        plan = tuning.fp8_precise_plan(m, n, 132, 2, k, scaling)
+        if plan is None or plan.split_k == 1:
+            return None
+        assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+        assert (plan.tile.block_m, plan.tile.block_n) == (128, 128)
+        return plan.split_k
+
+    # Llama-3-8B's qkv (48 tiles), o (32) and down (32) at 128 rows; 65-127 rows likewise.
+    assert split(128, 6144, 4096) == 2
+    assert split(128, 4096, 4096) == 4
+    assert split(128, 4096, 14336) == 4
+    assert split(80, 4096, 14336) == 4
+    assert split(128, 1024, 6144) == 12  # 8 tiles: the most splits counted
+    assert split(128, 1024, 8192) == 8  # (12 splits of 64 steps would come out as 11)
+    assert split(128, 1024, 3072) == 6  # 24 steps: 6 of 4
+    # 67+ tiles (two splits would overflow the wave), 64 rows or fewer, over 128, no K given,
+    # K under BLOCKWISE_WS_SPLIT_MIN_K, and tensorwise / rowwise products: no split.
+    for m, n, k in ((128, 8576, 4096), (64, 4096, 4096), (16, 4096, 4096), (192, 4096, 4096),
+                    (128, 4096, 0), (128, 7168, 2048), (128, 1024, 2048)):
+        assert split(m, n, k) is None, (m, n, k)
+    assert split(128, 4096, 4096, "outer") is None
+    # Off (the A/B's other arm): the size rules' plan again.
+    monkeypatch.setattr(tuning, "BLOCKWISE_WS_SPLIT_MIN_ROWS", 129)
+    assert split(128, 4096, 4096) is None
+    assert tuning.heuristic_mm_plan(128, 4096, 4096, 1, True, 132, 2, True, "block").kernel == (
+        "portable")
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_fp8_mid_row_plans(monkeypatch, fast):
     """Tensorwise and rowwise products of 33-512 rows (an H100's numbers): deep K takes the

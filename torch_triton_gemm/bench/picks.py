@@ -144,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cases, dtypes = parsed_cases(parser, args)
     with contextlib.ExitStack() as rules:
-        for constant, value in plans.rules_off(args):
-            rules.enter_context(mock.patch.object(plan_model, constant, value))
+        for module, constant, value in plans.rules_off(args):
+            rules.enter_context(mock.patch.object(module, constant, value))
         if args.dram_gbps is not None:
             rules.enter_context(mock.patch.object(_device, "dram_gbps",
                                                   lambda device: args.dram_gbps))

@@ -381,9 +381,10 @@ def _n_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-# The plan model's rules a flag turns off, for the other arm of each rule's A/B (bench.plans
-# times it, bench.picks lists the picks it moves): the flag, the plan_model constant, its value
-# with the rule off, and what planning then assumes.
+# The planner's rules a flag turns off, for the other arm of each rule's A/B (bench.plans
+# times it, bench.picks lists the picks it moves): the flag, the constant (of plan_model, or
+# of tuning where named "tuning.NAME"), its value with the rule off, and what planning then
+# assumes.
 RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--whole-rounds", "PARTIAL_ROUND", plan_model.WHOLE_ROUNDS,
      "plan as if one round of programs on part of the SMs cost the constants' whole charge "
@@ -402,6 +403,9 @@ RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--no-wgmma", "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
+    ("--no-blockwise-ws-split", "tuning.BLOCKWISE_WS_SPLIT_MIN_ROWS", 129,
+     "plan as if blockwise fp8 products of 65-128 rows never took the warp-specialized "
+     "kernel's K splits (tuning._blockwise_ws_split_plan off)"),
 )
 
 
@@ -411,9 +415,11 @@ def add_rule_flags(parser: argparse.ArgumentParser, arm: str) -> None:
         parser.add_argument(flag, action="store_true", help=assumes + arm)
 
 
-def rules_off(args: argparse.Namespace) -> list[tuple[str, object]]:
-    """(plan_model constant, value) for each rule that ``args``' RULE_FLAGS turn off."""
-    return [(constant, value) for flag, constant, value, _ in RULE_FLAGS
+def rules_off(args: argparse.Namespace) -> list[tuple[Any, str, object]]:
+    """(module, constant, value) for each rule that ``args``' RULE_FLAGS turn off."""
+    return [(tuning, constant[len("tuning."):], value) if constant.startswith("tuning.")
+            else (plan_model, constant, value)
+            for flag, constant, value, _ in RULE_FLAGS
             if getattr(args, flag.lstrip("-").replace("-", "_"))]
 
 
@@ -519,8 +525,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the plan sweep needs a CUDA GPU")
     if args.untransposed:
         tuning.SWAP_MAX_ROWS = 0
-    for constant, value in rules_off(args):
-        setattr(plan_model, constant, value)
+    for module, constant, value in rules_off(args):
+        setattr(module, constant, value)
     start = time.perf_counter()
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
