@@ -364,9 +364,9 @@ def _blockwise_ws_split_plan(m: int, n: int, k: int, num_sms: int,
     21.2 -> 19.1 us, o 19.6 -> 16.3, down 49.9 -> 31.7 (the fastest plan timed, or within 1%
     of it). Held out (docs/data/fp8-blockwise-ws-split-ab-h200.csv: ten projections of
     Qwen2.5-7B, Llama-3-70B, DeepSeek-V3, Phi-3 and Llama-3-8B at M = 80, 96, 112, 128, both
-    arms in one run), the 40 products moved ran 1.39x faster in geomean (1.17-1.91x) but for
-    7168 x 2048 (K = 2048, 56 tiles), 0.87-1.02x against the size rules' unsplit 128x64
-    tiles: hence the K bound (K = 3072 ran 1.19-1.26x)."""
+    arms in one run), the first form of the rule moved 40 products: 7168 x 2048 (K = 2048, 56
+    tiles) ran 0.87-1.02x against the size rules' unsplit 128x64 tiles, hence the K bound;
+    the 36 moves left ran 1.45x faster in geomean (1.16-1.91x; K = 3072: 1.19-1.26x)."""
     if not (BLOCKWISE_WS_SPLIT_MIN_ROWS <= m <= 128 and k >= BLOCKWISE_WS_SPLIT_MIN_K):
         return None
     tile = next(t for t in WS_SPLIT_TILES if (t.block_m, t.block_n) == (128, 128))
