@@ -1298,10 +1298,8 @@ def test_gpu_mm_row_times_both_ways_and_checks_accuracy():
 
 @pytest.mark.gpu
 def test_gpu_kernel_only_leaves_out_host_time():
-    from torch_triton_gemm.bench import gemm
-
     import torch_triton_gemm as tgemm
-    from torch_triton_gemm.bench import timing
+    from torch_triton_gemm.bench import gemm, timing
 
     # 64^3 takes a few microseconds on the GPU, far less than an eager call's host time. The
     # host's time is its wall clock per call: the eager column's CUDA events, on a GPU that
