@@ -319,7 +319,10 @@ def fp8_precise_plan(m: int, n: int, num_sms: int, out_size: int, k: int = 0,
     the precise kernel's 128-row tiles at 200-240 rows (0.98-1.02x): hence the 0.5 bound,
     the narrow rule's precedence and the row limit. The 25 moves left ran 1.03-2.10x faster.
     At K = 4096 the 64-row tiles of the portable kernel stay (Llama-3-8B's o at M = 256,
-    above); so do fewer rows (35 x 8992 x 11680: 0.87x there, 0.80x here)."""
+    above); so do fewer rows (35 x 8992 x 11680: 0.87x there, 0.80x here).
+
+    Blockwise products (``scaling`` "block"; K given) of 65-128 rows take
+    ``_blockwise_ws_split_plan``'s K splits first, where it has one."""
     if scaling == "block":
         split = _blockwise_ws_split_plan(m, n, k, num_sms, out_size)
         if split is not None:
