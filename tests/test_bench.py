@@ -1,7 +1,8 @@
 """torch_triton_gemm.bench without a GPU: options, the suites against the benchmark shape list,
 tables, summary, CSV, the helpers that build grouped and fp8 inputs, and ``--help`` / ``--list``
-in a fresh process with the optional plotting packages blocked. No tgemm kernel runs here; the
-GPU measurements themselves run on a GPU only (``python -m torch_triton_gemm.bench --quick``).
+in a fresh process with the optional plotting packages blocked. No tgemm kernel runs in those;
+the tests marked ``gpu`` measure a few rows on a GPU (the benchmark itself:
+``python -m torch_triton_gemm.bench --quick``).
 """
 
 from __future__ import annotations
