@@ -357,32 +357,27 @@ def _blockwise_ws_split_plan(m: int, n: int, k: int, num_sms: int,
                              out_size: int) -> MMPlan | None:
     """The K-split plan of Hopper's warp-specialized kernel for a blockwise fp8 product of
     BLOCKWISE_WS_SPLIT_MIN_ROWS to 128 rows and K of at least BLOCKWISE_WS_SPLIT_MIN_K whose
-    128x128 tiles leave at least half the SMs idle, else None: one row of 128x128 tiles (B
-    read once, each split streaming its K range through the loader's TMA ring, blockwise
-    scales applied per 128 of K as unsplit), split into the most WS_SPLIT_COUNTS ways whose
-    units (tiles x splits) still fit one wave, each split at least WS_MIN_STEPS_PER_SPLIT K
-    steps. The 64x64 portable tiles of ``_blockwise_small_plan`` wait on their scales' loads
-    at every K step. On an H200, every such plan timed on the Llama-3-8B projections at M =
-    128 with fewer 128x128 tiles than SMs (docs/data/fp8-ws-split-plans-h200-d1886ba.csv): qkv
-    21.2 -> 19.1 us, o 19.6 -> 16.3, down 49.9 -> 31.7 (the fastest plan timed, or within 1%
-    of it). Held out (docs/data/fp8-blockwise-ws-split-ab-h200.csv: ten projections of
-    Qwen2.5-7B, Llama-3-70B, DeepSeek-V3, Phi-3 and Llama-3-8B at M = 80, 96, 112, 128, both
-    arms in one run), the first form of the rule moved 40 products: 7168 x 2048 (K = 2048, 56
-    tiles) ran 0.87-1.02x against the size rules' unsplit 128x64 tiles, hence the K bound;
-    the 36 moves left ran 1.45x faster in geomean (1.16-1.91x; K = 3072: 1.19-1.26x)."""
+    128x128 tiles leave at least half the SMs idle, else None: one row of 128x128 tiles (B read
+    once, each split streaming its K range through the loader's TMA ring, blockwise scales
+    applied per 128 of K as unsplit): of ``ws_split_plans``' 128x128 plans, the one of most
+    splits whose units (tiles x splits) still fit one wave. The 64x64 portable tiles of
+    ``_blockwise_small_plan`` wait on their scales' loads at every K step. On an H200, every
+    such plan timed on the Llama-3-8B projections at M = 128 with fewer 128x128 tiles than SMs
+    (docs/data/fp8-ws-split-plans-h200-d1886ba.csv): qkv 21.2 -> 19.1 us, o 19.6 -> 16.3, down
+    49.9 -> 31.7 (the fastest plan timed, or within 1% of it). Held out
+    (docs/data/fp8-blockwise-ws-split-ab-h200.csv: ten projections of Qwen2.5-7B, Llama-3-70B,
+    DeepSeek-V3, Phi-3 and Llama-3-8B at M = 80, 96, 112, 128, both arms in one run), the first
+    form of the rule moved 40 products: 7168 x 2048 (K = 2048, 56 tiles) ran 0.87-1.02x against
+    the size rules' unsplit 128x64 tiles, hence the K bound; the 36 moves left ran 1.45x faster
+    in geomean (1.16-1.91x; K = 3072: 1.19-1.26x)."""
     if not (BLOCKWISE_WS_SPLIT_MIN_ROWS <= m <= 128 and k >= BLOCKWISE_WS_SPLIT_MIN_K):
         return None
-    tile = next(t for t in WS_SPLIT_TILES if (t.block_m, t.block_n) == (128, 128))
-    if _fp8_precise_shared(tile.block_m // 64, tile.num_stages, out_size) > (
-            _device.shared_memory_per_block(0)):
-        return None
-    tiles = output_tiles(m, n, tile)
-    steps = -(-k // 128)  # (fp8: 128 elements a step)
-    for split in sorted(WS_SPLIT_COUNTS, reverse=True):
-        if (tiles * split <= num_sms and steps >= split * WS_MIN_STEPS_PER_SPLIT
-                and effective_split(k, 128, split)[0] == split):
-            return MMPlan(FP8_PRECISE_KERNEL, tile, split)
-    return None
+    # (ws_split_plans keeps the splits whose shared memory fits, of whole K steps and at
+    # least WS_MIN_STEPS_PER_SPLIT steps each.)
+    splits = [p for p in ws_split_plans(m, n, k, 1, out_size, num_sms)
+              if (p.tile.block_m, p.tile.block_n) == (128, 128) and p.split_k > 1
+              and output_tiles(m, n, p.tile) * p.split_k <= num_sms]
+    return max(splits, key=lambda p: p.split_k, default=None)
 
 
 # Tensorwise and rowwise fp8 products with fast accumulation of 65-128 rows and K of at least
