@@ -382,28 +382,27 @@ def _n_range(text: str) -> tuple[int, int]:
 
 
 # The planner's rules a flag turns off, for the other arm of each rule's A/B (bench.plans
-# times it, bench.picks lists the picks it moves): the flag, the constant (of plan_model, or
-# of tuning where named "tuning.NAME"), its value with the rule off, and what planning then
-# assumes.
-RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
-    ("--whole-rounds", "PARTIAL_ROUND", plan_model.WHOLE_ROUNDS,
+# times it, bench.picks lists the picks it moves): the flag, the module and name of the
+# constant, its value with the rule off, and what planning then assumes.
+RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
+    ("--whole-rounds", plan_model, "PARTIAL_ROUND", plan_model.WHOLE_ROUNDS,
      "plan as if one round of programs on part of the SMs cost the constants' whole charge "
      "(plan_model.partial_round off)"),
-    ("--no-l2-limit", "L2_BYTES_PER_US", 0,
+    ("--no-l2-limit", plan_model, "L2_BYTES_PER_US", 0,
      "plan as if tiles' reads from L2 cost nothing (plan_model.l2_us off)"),
-    ("--no-tail-reduction", "TAIL_REDUCTION_BYTES", 0,
+    ("--no-tail-reduction", plan_model, "TAIL_REDUCTION_BYTES", 0,
      "plan as if a tail split's reduction cost only its launch (plan_model.tail_reduction_us "
      "off)"),
-    ("--no-narrow-overlap", "NARROW_OVERLAP_ROUND", 1.0,
+    ("--no-narrow-overlap", plan_model, "NARROW_OVERLAP_ROUND", 1.0,
      "plan as if K splits loading element by element charged every round of programs on an "
      "SM in full (plan_model.narrow_overlap off)"),
-    ("--dram-scaling", "DRAM_SCALING", True,
+    ("--dram-scaling", plan_model, "DRAM_SCALING", True,
      "plan with the memory system's bandwidth scaled to the GPU's peak DRAM bandwidth "
      "(plan_model.DRAM_SCALING on)"),
-    ("--no-wgmma", "WS_PLANS", False,
+    ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
-    ("--no-blockwise-ws-split", "tuning.BLOCKWISE_WS_SPLIT_MIN_ROWS", 129,
+    ("--no-blockwise-ws-split", tuning, "BLOCKWISE_WS_SPLIT_MIN_ROWS", 129,
      "plan as if blockwise fp8 products of 65-128 rows never took the warp-specialized "
      "kernel's K splits (tuning._blockwise_ws_split_plan off)"),
 )
@@ -411,15 +410,13 @@ RULE_FLAGS: tuple[tuple[str, str, object, str], ...] = (
 
 def add_rule_flags(parser: argparse.ArgumentParser, arm: str) -> None:
     """RULE_FLAGS' flags on ``parser``, each help text ending with ``arm``."""
-    for flag, _, _, assumes in RULE_FLAGS:
+    for flag, _, _, _, assumes in RULE_FLAGS:
         parser.add_argument(flag, action="store_true", help=assumes + arm)
 
 
 def rules_off(args: argparse.Namespace) -> list[tuple[Any, str, object]]:
     """(module, constant, value) for each rule that ``args``' RULE_FLAGS turn off."""
-    return [(tuning, constant[len("tuning."):], value) if constant.startswith("tuning.")
-            else (plan_model, constant, value)
-            for flag, constant, value, _ in RULE_FLAGS
+    return [(module, constant, value) for flag, module, constant, value, _ in RULE_FLAGS
             if getattr(args, flag.lstrip("-").replace("-", "_"))]
 
 
