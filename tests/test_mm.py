@@ -164,7 +164,8 @@ def test_eager_plans_are_on_unless_turned_off(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, moved", [
-    (64, 120, 1160, "inline"), (1536, 1536, 1024, "inline"), (2944, 896, 109, "unpadded")])
+    (64, 120, 1160, "inline"), (1536, 1536, 1024, "inline"), (2944, 896, 109, "unpadded"),
+    (64, 1472, 120, "twin"), (1280, 176, 216, "twin")])
 def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatch, m, n, k,
                                                                        moved):
     """With eager plans on (the default), later eager calls of a product launch fewer kernels
@@ -172,7 +173,9 @@ def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatc
     K split (12 ways and its reduction; a tail split in three launches) in one kernel
     ("inline"), and a large product whose pitches TMA cannot describe, which the planner's
     portable plan reads from padded copies of both operands, on the operands as they are
-    ("unpadded"). All give the same bits, right to bf16 precision. (The warp-specialized
+    ("unpadded"); and host-bound products whose pick is an unsplit TMA plan on the portable
+    kernel with the same tile ("twin": no device-built descriptors). All give the same bits,
+    right to bf16 precision. (The warp-specialized
     kernel's plans, which take 1536 x 1536 x 1024 on Hopper, left out: they launch once.)"""
     monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     monkeypatch.setattr(plan_model, "WS_PLANS", False)
@@ -185,6 +188,9 @@ def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatc
     eager = planner.eager_mm_plan(a, b, out, plan)
     if moved == "inline":
         assert plan.split_k > 1 and eager == dataclasses.replace(plan, split_inline=True)
+    elif moved == "twin":
+        assert plan.kernel == "tma" and plan.split_k == 1
+        assert eager == tuning.MMPlan("portable", plan.tile)
     else:
         assert plan.kernel == "portable" and plan.pad is None
         assert eager == dataclasses.replace(plan, pad=False)

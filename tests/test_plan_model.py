@@ -924,3 +924,54 @@ def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():
         if (r.m, r.n, r.k) == (1536, 1536, 1536):
             assert r.us == pytest.approx(old.us * factor)
             assert r.cublas_us == pytest.approx(old.cublas_us * factor)
+
+
+@pytest.mark.parametrize("m, n, k, a_m_contiguous", [
+    (64, 1472, 120, False), (1280, 176, 216, False), (320, 64, 88, True), (15160, 16, 192, False)])
+def test_host_bound_eager_calls_of_unsplit_tma_plans_take_the_portable_kernel(h100, m, n, k,
+                                                                              a_m_contiguous):
+    """eager_plan: where the plan model picks an unsplit TMA plan for a product whose portable
+    plan on the same tile is predicted to take no longer than the host's call, eager calls
+    take that portable plan (the same tile and K order: the same bits); CUDA graphs keep the
+    pick. A host that issues calls faster than the portable kernel runs keeps the pick."""
+    # a [m, k] (or the transpose of a [k, m]) and b = W.t() for W [n, k]: pitches k (a: m).
+    pitches = [(m if a_m_contiguous else k, 2), (k, 2)]
+    narrow = [p for p in pitches if p[0] % 16]
+    view = (True, bool(narrow), a_m_contiguous, plan_model.pitch_vector(narrow))
+    picked = plan_model.modelled_plan(m, n, k, 2, 2, True, 132, *view)
+    assert picked.kernel == "tma" and picked.split_k == 1 and not picked.stream_k
+    eager = plan_model.eager_plan(picked, m, n, k, 2, 2, 132, *view)
+    assert eager == tuning.MMPlan("portable", picked.tile)
+    costs = plan_model.with_machine(plan_model.H100_COSTS, 132)
+    assert plan_model.predict_us(costs, eager, m, n, k, 2, 2, *view,
+                                 co_resident=True) <= plan_model.H100_HOST.call_us
+    assert plan_model.eager_launches(eager, m, n, k, 132) == (1, 0)
+    fast = plan_model.HostCosts(call_us=2.0, launch_us=0.5, copy_us=0.5)
+    assert plan_model.eager_plan(picked, m, n, k, 2, 2, 132, *view, host=fast) is None
+
+
+def test_tma_plans_keep_their_kernel_where_split_copied_or_gpu_bound(h100):
+    """portable_twin leaves TMA plans that split K (the same splits in one portable launch
+    ran slower), stream-K, copy their operands, or whose portable twin would outlast the
+    host's call (a large product), and plans of other kernels."""
+    costs = plan_model.with_machine(plan_model.H100_COSTS, 132)
+    host = plan_model.H100_HOST
+    tile = tuning.TileConfig(64, 64, 128, 8, 4, 4)
+    unsplit = tuning.MMPlan("tma", tile, epilogue_subtile=1)
+    args = (64, 1472, 120, 2, 2)
+    assert plan_model.portable_twin(costs, host, unsplit, *args) == tuning.MMPlan("portable",
+                                                                                  tile)
+    for plan in (dataclasses.replace(unsplit, split_k=8),
+                 dataclasses.replace(unsplit, split_k=4, split_tail=True),
+                 dataclasses.replace(unsplit, stream_k=1),
+                 dataclasses.replace(unsplit, pad=True),
+                 dataclasses.replace(unsplit, kernel="portable"),
+                 dataclasses.replace(unsplit, kernel="wgmma")):
+        assert plan_model.portable_twin(costs, host, plan, *args) is None, plan
+    assert plan_model.portable_twin(costs, host, unsplit, *args, copies=1) is None
+    big = plan_model.modelled_plan(4096, 4096, 4096, 2, 2, True, 132, True, False, False, 16)
+    assert big.kernel == "tma"
+    assert plan_model.eager_plan(big, 4096, 4096, 4096, 2, 2, 132, True, False, False,
+                                 16) is None
+    assert plan_model.portable_twin(costs, host, dataclasses.replace(big, split_k=1),
+                                    4096, 4096, 4096, 2, 2) is None

@@ -573,11 +573,18 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     are (``pad`` False: the same tiles and K order, so the same bits; the plan model costs
     the portable kernel so in any case), by the same margin. On an H200, 2944 x 896 x 109
     (both pitches 109) took 64 us an eager call, two copies and the GEMM, against 15 in a CUDA
-    graph and torch.mm's 19.6 (docs/data/eager-host-diag-h200-a4852a6.csv); not yet timed."""
-    if picked.kernel != "portable" or picked.split_fixup or picked.split_inline:
-        return None
+    graph and torch.mm's 19.6 (docs/data/eager-host-diag-h200-a4852a6.csv); not yet timed.
+
+    Where ``picked`` is an unsplit plan of the persistent TMA kernel on operands it reads as
+    they are, and the portable kernel on the same tile is predicted to take no longer than the
+    host's time for a call (``host.call_us``): that plan (``portable_twin``)."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)
     costs = with_machine(H100_COSTS, num_sms, l2_bytes, dram_gbps)
+    if picked.kernel == "tma":
+        return portable_twin(costs, host, picked, m, n, k, element_size, out_size, aligned,
+                             narrow, a_m_contiguous, pitch_vector, copies)
+    if picked.kernel != "portable" or picked.split_fixup or picked.split_inline:
+        return None
     args = (m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous, pitch_vector,
             copies)
     plan = picked
@@ -594,6 +601,35 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
                                                                       *args):
         return moved
     return inline
+
+
+def portable_twin(costs: Costs, host: HostCosts, picked: tuning.MMPlan, m: int, n: int, k: int,
+                  element_size: int, out_size: int, aligned: bool = True, narrow: bool = False,
+                  a_m_contiguous: bool = False, pitch_vector: int = 0,
+                  copies: int = 0) -> tuning.MMPlan | None:
+    """The portable kernel on the tile of ``picked``, an unsplit plan of the persistent TMA
+    kernel, for eager calls bound by the host; None where ``picked`` is split, stream-K or
+    copies operands, or where the portable plan's predicted kernel time (``predict_us``, with
+    co-resident rounds as ``best_plan`` costs it) exceeds ``host.call_us``.
+
+    An eager launch of the TMA kernel costs more than the portable kernel's: its device-built
+    descriptors need the scratch allocator and buffer on the host, and their building and fence
+    on the GPU (CUDA-graph captures, which keep ``picked``, launch host-built ones). Both
+    kernels add the same tiles' products in the same K order: the same bits. On an H200, the
+    50 products of the seed-2167 sweep under 1e8 multiply-adds whose pick was such a plan (bf16
+    and fp16; ``docs/data/eager-tma-twin-h200-seed2167.csv``): eager calls 1.13x faster in
+    geomean on the portable plan, 46 of 50 faster, every output the same bits. Split plans
+    stay: the same splits in one launch (``split_inline``), on the 10 split picks of that
+    sweep, took 1.9x as long in geomean (up to 6x: one program through each tile's 24-64
+    splits)."""
+    if (picked.kernel != "tma" or picked.split_k > 1 or picked.stream_k or picked.swap_ab
+            or copies or picked.pad):
+        return None
+    twin = tuning.MMPlan("portable", picked.tile)
+    if predict_us(costs, twin, m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous,
+                  pitch_vector, co_resident=True) > host.call_us:
+        return None
+    return twin
 
 
 # The peak DRAM bandwidth of the GPU the constants were fitted on (an H100 SXM, GB/s), and

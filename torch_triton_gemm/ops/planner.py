@@ -96,7 +96,9 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     too: ``plan``'s portable kernel reading operands as they are where the launcher would
     copy them first, and its K split in one launch, with its bits, where the copies and the
     split's extra launches (its reduction, a tail split's whole tiles) cost the host more than
-    they save the GPU (``plan_model.eager_plan``). None with ``TORCH_TRITON_GEMM_EAGER_PLANS=0``
+    they save the GPU, and an unsplit TMA plan on the portable kernel with the same tile where
+    that kernel stays within the host's time for a call (no device-built descriptors to pay
+    for; ``plan_model.eager_plan``). None with ``TORCH_TRITON_GEMM_EAGER_PLANS=0``
     (``tuning.eager_plans_enabled``), for forced, tuned, transposed and warp-specialized
     plans (one launch already) and off CUDA."""
     (M, K), N = a.shape, b.shape[1]
