@@ -1958,3 +1958,30 @@ def test_eager_plans_switch_forgets_memoised_calls_and_needs_a_gpu(monkeypatch, 
         eager_plans.main(["--count", "4", "--csv", "x.csv"])
     assert exit_info.value.code == 2 and "CUDA GPU" in capsys.readouterr().err
 
+
+
+def test_eager_plans_keeps_the_products_planned_on_the_asked_kernel(monkeypatch):
+    """bench.eager_plans.moved: every product whose eager plan differs from the planner's, or
+    with ``planned`` only those whose planner's plan runs that kernel (--planned tma: the
+    products the portable-twin rule moves)."""
+    from torch_triton_gemm import tuning
+    from torch_triton_gemm.bench import eager_plans
+
+    tile = tuning.TileConfig(64, 64, 128, 8, 4, 4)
+    planned = {8: tuning.MMPlan("tma", tile), 16: tuning.MMPlan("portable", tile, split_k=4),
+               24: tuning.MMPlan("tma", tile)}
+    eager = {8: tuning.MMPlan("portable", tile), 16: tuning.MMPlan("portable", tile, split_k=4,
+                                                                   split_inline=True)}
+    # (CPU operands: the output moved() allocates beside them is on the CPU too.)
+    monkeypatch.setattr(eager_plans, "make_operands",
+                        lambda case, dtype, device: (torch.zeros(case.m, case.k, dtype=dtype),
+                                                     torch.zeros(case.k, case.n, dtype=dtype)))
+    monkeypatch.setattr(eager_plans, "plan_mm", lambda a, b, bias, out, act, traced:
+                        planned[a.shape[0]])
+    monkeypatch.setattr(eager_plans, "eager_mm_plan", lambda a, b, out, plan:
+                        eager.get(a.shape[0]))
+    cases = [suites.Case("t", f"c{m}", m, 40, 32) for m in (8, 16, 24)]
+    assert [(c.m, p, e) for c, _, p, e in eager_plans.moved(cases, ["bf16"])] == [
+        (8, planned[8], eager[8]), (16, planned[16], eager[16])]
+    assert [c.m for c, _, _, _ in eager_plans.moved(cases, ["bf16"], "tma")] == [8]
+    assert [c.m for c, _, _, _ in eager_plans.moved(cases, ["bf16"], "portable")] == [16]

@@ -4,6 +4,10 @@ kernel-only (CUDA-graph replays) next to torch.mm, both settings in one process,
 
     python -m torch_triton_gemm.bench.eager_plans --seed 2112 --count 300 --csv eager.csv
 
+``--planned tma`` keeps the products whose planner's plan runs the persistent TMA kernel (the
+rule that moves them: ``plan_model.portable_twin``), ``--planned portable`` those on the
+portable kernel (its K splits in one launch, its operands read unpadded).
+
 Each product's two settings are timed ``--reps`` times in alternating order (the memoised eager
 calls forgotten between them, so that each setting plans its calls afresh), which keeps the
 host's drift between processes out of the comparison. One CSV row per product, dtype,
@@ -59,10 +63,11 @@ def eager_plans(on: bool) -> Iterator[None]:
         launcher.forget_eager_calls()
 
 
-def moved(cases: Sequence[Case], dtypes: Sequence[str]
+def moved(cases: Sequence[Case], dtypes: Sequence[str], planned: str | None = None
           ) -> list[tuple[Case, str, tuning.MMPlan, tuning.MMPlan]]:
     """(case, dtype, the planner's plan, the eager plan) of each product whose plain eager calls
-    launch another plan with eager plans on."""
+    launch another plan with eager plans on (``planned``: only where the planner's plan runs
+    that kernel)."""
     found = []
     with eager_plans(True):
         for case in cases:
@@ -71,7 +76,7 @@ def moved(cases: Sequence[Case], dtypes: Sequence[str]
                 out = torch.empty((case.m, case.n), dtype=a.dtype, device=a.device)
                 plan = plan_mm(a, b, None, out, "none", False)
                 eager = eager_mm_plan(a, b, out, plan)
-                if eager is not None:
+                if eager is not None and planned in (None, plan.kernel):
                     found.append((case, dtype, plan, eager))
     return found
 
@@ -131,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=suites.SWEEP_COUNT)
     parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16, fp16")
     parser.add_argument("--csv", required=True)
+    parser.add_argument("--planned", choices=("portable", "tma"),
+                        help="only products whose planner's plan runs this kernel")
     parser.add_argument("--reps", type=int, default=2, help="alternations of the settings")
     parser.add_argument("--rep-ms", type=float, default=40.0, help="ms of calls per timing")
     parser.add_argument("--workers", type=int, default=8,
@@ -142,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("eager plans run on a CUDA GPU")
     start = time.perf_counter()
-    found = moved(cases, dtypes)
+    found = moved(cases, dtypes, args.planned)
     print(f"{len(found)} products move", file=sys.stderr)
     jobs = [(case, dtype) for case, dtype, _, _ in found]
     if args.workers > 1 and jobs:
