@@ -927,7 +927,7 @@ def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():
 
 
 @pytest.mark.parametrize("m, n, k, a_m_contiguous", [
-    (64, 1472, 120, False), (1280, 176, 216, False), (320, 64, 88, True), (15160, 16, 192, False)])
+    (64, 1472, 120, False), (1280, 176, 216, False), (320, 64, 88, True), (1944, 8, 152, False)])
 def test_host_bound_eager_calls_of_unsplit_tma_plans_take_the_portable_kernel(h100, m, n, k,
                                                                               a_m_contiguous):
     """eager_plan: where the plan model picks an unsplit TMA plan for a product whose portable
@@ -952,8 +952,9 @@ def test_host_bound_eager_calls_of_unsplit_tma_plans_take_the_portable_kernel(h1
 
 def test_tma_plans_keep_their_kernel_where_split_copied_or_gpu_bound(h100):
     """portable_twin leaves TMA plans that split K (the same splits in one portable launch
-    ran slower), stream-K, copy their operands, or whose portable twin would outlast the
-    host's call (a large product), and plans of other kernels."""
+    ran slower), stream-K, copy their operands, run tiles the plan space does not offer on the
+    portable kernel, or whose portable twin would outlast the host's call (a large product),
+    and plans of other kernels."""
     costs = plan_model.with_machine(plan_model.H100_COSTS, 132)
     host = plan_model.H100_HOST
     tile = tuning.TileConfig(64, 64, 128, 8, 4, 4)
@@ -962,6 +963,9 @@ def test_tma_plans_keep_their_kernel_where_split_copied_or_gpu_bound(h100):
     assert plan_model.portable_twin(costs, host, unsplit, *args) == tuning.MMPlan("portable",
                                                                                   tile)
     for plan in (dataclasses.replace(unsplit, split_k=8),
+                 # tiles the plan space leaves off the portable kernel beside TMA
+                 dataclasses.replace(unsplit, tile=tuning.TileConfig(128, 16, 128, 8, 4, 4)),
+                 dataclasses.replace(unsplit, tile=tuning.TileConfig(64, 256, 64, 8, 4, 4)),
                  dataclasses.replace(unsplit, split_k=4, split_tail=True),
                  dataclasses.replace(unsplit, stream_k=1),
                  dataclasses.replace(unsplit, pad=True),

@@ -609,21 +609,24 @@ def portable_twin(costs: Costs, host: HostCosts, picked: tuning.MMPlan, m: int, 
                   copies: int = 0) -> tuning.MMPlan | None:
     """The portable kernel on the tile of ``picked``, an unsplit plan of the persistent TMA
     kernel, for eager calls bound by the host; None where ``picked`` is split, stream-K or
-    copies operands, or where the portable plan's predicted kernel time (``predict_us``, with
-    co-resident rounds as ``best_plan`` costs it) exceeds ``host.call_us``.
+    copies operands, where its tile is not one the plan space offers on the portable kernel
+    beside TMA (``tuning.portable_beside_tma``), or where the portable plan's predicted kernel
+    time (``predict_us``, with co-resident rounds as ``best_plan`` costs it) exceeds
+    ``host.call_us``.
 
     An eager launch of the TMA kernel costs more than the portable kernel's: its device-built
     descriptors need the scratch allocator and buffer on the host, and their building and fence
     on the GPU (CUDA-graph captures, which keep ``picked``, launch host-built ones). Both
     kernels add the same tiles' products in the same K order: the same bits. On an H200, the
-    50 products of the seed-2167 sweep under 1e8 multiply-adds whose pick was such a plan (bf16
-    and fp16; ``docs/data/eager-tma-twin-h200-seed2167.csv``): eager calls 1.13x faster in
-    geomean on the portable plan, 46 of 50 faster, every output the same bits. Split plans
-    stay: the same splits in one launch (``split_inline``), on the 10 split picks of that
-    sweep, took 1.9x as long in geomean (up to 6x: one program through each tile's 24-64
-    splits)."""
+    25 products of the seed-2167 sweep under 1e8 multiply-adds whose pick was such a plan, in
+    bf16 and fp16 (50 rows, ``docs/data/eager-tma-twin-h200-seed2167.csv``; tiles of 16-64
+    rows, and 128 x 16, which the plan space does not offer on the portable kernel, so the rule
+    leaves them): eager calls 1.13x faster in geomean on the portable plan, 46 of 50 faster
+    (of the 46 rows the rule moves, 42), every output the same bits. Split plans stay: the
+    same splits in one launch (``split_inline``), on the 10 split rows of that sweep, took 1.9x
+    as long in geomean (up to 6x: one program through each tile's 24-64 splits)."""
     if (picked.kernel != "tma" or picked.split_k > 1 or picked.stream_k or picked.swap_ab
-            or copies or picked.pad):
+            or copies or picked.pad or not tuning.portable_beside_tma(picked.tile)):
         return None
     twin = tuning.MMPlan("portable", picked.tile)
     if predict_us(costs, twin, m, n, k, element_size, out_size, aligned, narrow, a_m_contiguous,

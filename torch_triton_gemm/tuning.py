@@ -1310,11 +1310,8 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
         options = [dict(split_k=s) for s in sorted(splits)]
         if tail > 1:
             options.append(dict(split_k=tail, split_tail=True))
-        # Where TMA can read the operands, the portable kernel only competes on skinny tiles
-        # (it streamed B as fast as TMA there).
-        # (and not on 256-wide tiles, whose times there varied from run to run by 10-30%).
         plans = [MMPlan("portable", tile, **o) for o in options] if (
-            wide or not tma or (tile.block_m <= 64 and tile.block_n <= 128)) else []
+            wide or not tma or portable_beside_tma(tile)) else []
         fits_tma = shared_memory_bytes(tile, element_size) + tma_epilogue_bytes(
             tile, 2, epilogue_subtile(tile)) <= smem
         if tma and fits_tma:
@@ -1335,6 +1332,13 @@ def plan_space(m: int, n: int, k: int, element_size: int, tma: bool, num_sms: in
     if wgmma_out_size:
         yield from ws_plans(wgmma_out_size)
         yield from ws_split_plans(m, n, k, element_size, wgmma_out_size, num_sms)
+
+
+def portable_beside_tma(tile: TileConfig) -> bool:
+    """Whether the plan space offers ``tile`` on the portable kernel where TMA can read the
+    operands: skinny tiles only, up to 64 x 128 (the portable kernel streamed B as fast as TMA
+    there; not 256-wide tiles, whose times there varied from run to run by 10-30%)."""
+    return tile.block_m <= 64 and tile.block_n <= 128
 
 
 def _latency_splits(tiles: int, k_steps: int, num_sms: int) -> set[int]:
