@@ -1959,7 +1959,6 @@ def test_eager_plans_switch_forgets_memoised_calls_and_needs_a_gpu(monkeypatch, 
     assert exit_info.value.code == 2 and "CUDA GPU" in capsys.readouterr().err
 
 
-
 def test_eager_plans_keeps_the_products_planned_on_the_asked_kernel(monkeypatch):
     """bench.eager_plans.moved: every product whose eager plan differs from the planner's, or
     with ``planned`` only those whose planner's plan runs that kernel (--planned tma: the

@@ -175,8 +175,8 @@ def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatc
     portable plan reads from padded copies of both operands, on the operands as they are
     ("unpadded"); and host-bound products whose pick is an unsplit TMA plan on the portable
     kernel with the same tile ("twin": no device-built descriptors). All give the same bits,
-    right to bf16 precision. (The warp-specialized
-    kernel's plans, which take 1536 x 1536 x 1024 on Hopper, left out: they launch once.)"""
+    right to bf16 precision. (The warp-specialized kernel's plans, which take 1536 x 1536 x
+    1024 on Hopper, left out: they launch once.)"""
     monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
     monkeypatch.setattr(plan_model, "WS_PLANS", False)
     a = randn((m, k), torch.bfloat16, "cuda")
