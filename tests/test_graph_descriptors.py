@@ -490,6 +490,47 @@ def test_gpu_a_capture_without_prepare_capture_wants_the_variant(monkeypatch, fr
     assert torch.equal(out_first, eager) and torch.equal(out_second, eager)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(64, 1472, 120), (1280, 176, 216)])
+def test_gpu_captures_of_a_portable_twins_tma_plan_run_host_descriptors(
+        monkeypatch, fresh_variants, m, n, k):
+    """A product whose eager calls run the portable twin of the planner's TMA plan (the
+    launch CUDA graphs capture): prepare_capture still builds and loads that TMA launch's
+    host-descriptor variant (eager calls run the capture launch until it settles), and the
+    capture launches it; so does a later capture without prepare_capture, once eager calls have
+    run. Replays give the eager calls' bits."""
+    monkeypatch.setenv("TORCH_TRITON_GEMM_EAGER_PLANS", "1")
+    monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
+    monkeypatch.setattr(plan_model, "WS_PLANS", False)
+    captured = _spy_on_captures(monkeypatch)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+    out = a.new_empty((m, n))
+    plan = planner.plan_mm(a, b, None, out, "none", False)
+    assert plan.kernel == "tma" and planner.eager_mm_plan(a, b, out, plan).kernel == "portable"
+    eager = tg.prepare_capture(tg.mm, a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = tg.mm(a, b)
+    assert captured == [True]
+    # A variant wanted by another capture: the next eager calls settle this launch again.
+    monkeypatch.setattr(graph_descriptors, "GENERATION", graph_descriptors.GENERATION + 1)
+    for _ in range(2):
+        assert torch.equal(tg.mm(a, b), eager)
+        launcher.POOL.drain()
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second):
+        got_second = tg.mm(a, b)
+    assert captured == [True, True]
+    got.fill_(float("nan"))
+    got_second.fill_(float("nan"))
+    graph.replay()
+    second.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, eager) and torch.equal(got_second, eager)
+    assert rel_error(eager, reference(a, b)) <= 1e-2
+
+
 def _spy_on_captures(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
     """What each launch_captured call returned, from now on."""
     captured: list[bool] = []

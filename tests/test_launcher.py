@@ -221,6 +221,33 @@ def test_eager_or_capture_needs_the_capture_launch_run_once(monkeypatch):
     assert launcher.eager_or_capture(prepared) is split
 
 
+def test_eager_calls_run_a_tma_capture_launch_until_its_host_descriptors_settle(monkeypatch):
+    """A kept eager call whose capture launch is of a kernel that captures with host-built
+    descriptors runs that launch while its host-descriptor variants are unsettled as of the
+    current generation (a capture wanted them, or prepare_capture began): only eager launches
+    build and load them. Settled, or of another kernel, the eager launch runs."""
+    _, _, _, whole, split = _kept_whole_and_split()
+    prepared = whole._replace(capture=split)
+    key = None if launcher._INTERPRETED else launcher._current_device()
+    direct = launcher._DirectLaunches((), None, None, None, False, 0, [-1])
+    split.compiled[-1][key] = direct
+    monkeypatch.setattr(launcher, "_capturing", lambda: False)
+    monkeypatch.setattr(graph_descriptors, "GENERATION", 0)
+    monkeypatch.setattr(graph_descriptors, "supports", lambda kernel: kernel is split.kernel)
+    assert launcher.eager_or_capture(prepared) is prepared  # nothing ever wanted
+    monkeypatch.setattr(graph_descriptors, "GENERATION", 3)
+    assert launcher.eager_or_capture(prepared) is split  # wanted since it last settled
+    direct.tma_host[0] = 3  # as run_kept records a settled prepare()
+    assert launcher.eager_or_capture(prepared) is prepared
+    monkeypatch.setattr(graph_descriptors, "GENERATION", 4)
+    assert launcher.eager_or_capture(prepared) is split
+    monkeypatch.setattr(graph_descriptors, "supports", lambda kernel: False)
+    assert launcher.eager_or_capture(prepared) is prepared  # a kernel without host variants
+    split.compiled[-1][key] = direct._replace(tma_host=None)
+    monkeypatch.setattr(graph_descriptors, "supports", lambda kernel: kernel is split.kernel)
+    assert launcher.eager_or_capture(prepared) is prepared
+
+
 def test_a_capture_launch_run_under_launch_hooks_counts_as_run(monkeypatch, device):
     """Under launch hooks (a profiler's) run_kept launches through the JIT and keeps no
     direct launches; the capture launch still counts as run once it ran (its kernels are

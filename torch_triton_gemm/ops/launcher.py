@@ -563,14 +563,32 @@ _RAN = "ran"
 
 def eager_or_capture(prepared: PreparedLaunch) -> PreparedLaunch:
     """The launch a kept eager call runs: ``prepared``, or its ``capture`` launch in a CUDA
-    graph capture, where the host's time is paid once, and until that launch has run once in
-    the process (so that its kernels are loaded before a capture needs them: a capturing
-    stream cannot load one)."""
+    graph capture, where the host's time is paid once, until that launch has run once in the
+    process (so that its kernels are loaded before a capture needs them: a capturing stream
+    cannot load one), and while its host-descriptor variants have work left (see
+    ``_capture_unsettled``)."""
     capture = prepared.capture
-    if capture is None or (capture.compiled[-1] and not (_capturing is not None
-                                                         and _capturing())):
+    if capture is None:
         return prepared
-    return capture
+    ran = capture.compiled[-1]
+    if not ran or (_capturing is not None and _capturing()) or _capture_unsettled(capture, ran):
+        return capture
+    return prepared
+
+
+def _capture_unsettled(capture: PreparedLaunch, ran: dict[Any, Any]) -> bool:
+    """Whether a kept capture launch of a kernel that captures with host-built TMA descriptors
+    has them unsettled as of graph_descriptors.GENERATION (a capture wanted them, or
+    prepare_capture is running). Only eager launches build and load those variants
+    (graph_descriptors.prepare, from run_kept), so the eager calls run the capture launch until
+    they are settled: without it, an eager call whose own plan is another (the portable twin
+    of a small TMA plan, an unsplit one) never built them, and its captures kept the
+    device-built descriptors (about 2 us more a replay of a tiny product on an H200)."""
+    if not graph_descriptors.GENERATION or not graph_descriptors.supports(capture.kernel):
+        return False
+    direct = ran.get(None if _INTERPRETED else _current_device())
+    return (direct is not None and direct.tma_host is not None
+            and direct.tma_host[0] != graph_descriptors.GENERATION)
 
 
 def memoised_eager_call(signature: tuple[Any, ...],
