@@ -1137,6 +1137,26 @@ def test_operand_copies_keep_layout_and_rotate(monkeypatch):
     assert len(timing.operand_copies((a, b), calls=1)) == 1
 
 
+def test_timings_wait_for_background_compiles_first(monkeypatch):
+    """quiet_host drains tgemm's compile pool when it has unfinished jobs (they would share the
+    host with the timed calls) and says how many there were; an idle pool is left alone."""
+    from torch_triton_gemm.ops import compile_pool
+
+    class Pool:
+        def __init__(self, unfinished: int) -> None:
+            self.unfinished, self.drains = unfinished, 0
+
+        def drain(self) -> None:
+            self.drains += 1
+            self.unfinished = 0
+
+    busy, idle = Pool(3), Pool(0)
+    monkeypatch.setattr(compile_pool, "POOL", busy)
+    assert timing.quiet_host() == 3 and busy.drains == 1 and busy.unfinished == 0
+    monkeypatch.setattr(compile_pool, "POOL", idle)
+    assert timing.quiet_host() == 0 and idle.drains == 0
+
+
 def test_rows_that_fail_become_error_rows(capsys):
     def boom() -> str:
         raise RuntimeError("first line\nsecond line")

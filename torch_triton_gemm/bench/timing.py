@@ -256,6 +256,20 @@ def short_error(exc: BaseException, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def quiet_host() -> int:
+    """Wait for tgemm's background compiles (ops/compile_pool.py: the variants a first call
+    submits, its capture launch's and its backward's; host-descriptor variants) before a
+    timing, and return how many were unfinished: they share the host with the timed calls (the
+    GIL for Triton's front end, cores for its back end), which would then time a transient
+    rather than the calls."""
+    from ..ops.compile_pool import POOL
+
+    pending = POOL.unfinished
+    if pending:
+        POOL.drain()
+    return pending
+
+
 def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
             settings: TimingSettings) -> Timings:
     """Time each of ``fns`` (called as ``fn(*args)``, already warmed up and tuned) eager and
@@ -265,11 +279,14 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
     memory pool is alive at a time. A function that cannot be captured (it synchronises, say)
     keeps its eager time; its kernel-only time is NaN and a note says why.
     """
+    pending = quiet_host()
     first = next(iter(fns.values()))
     calls = calls_per_batch(first, args, settings.max_calls)
     copies = operand_copies(args, calls)
     batches = {name: _batch(fn, copies, calls) for name, fn in fns.items()}
     timings = Timings({name: math.inf for name in fns}, {name: math.inf for name in fns})
+    if pending:
+        timings.notes.append(f"timed after {pending} background compiles finished")
     uncapturable: set[str] = set()
     for round_index in range(settings.rounds):
         names = list(fns) if round_index % 2 == 0 else list(reversed(fns))
@@ -306,11 +323,13 @@ def host_us_per_call(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
     waiting for the GPU, over ``calls``; median of ``repeats``, the functions alternating.
 
     The GPU's launch queue holds far more than ``calls`` small launches, so the host never waits
-    for the GPU inside the loop; it synchronises between repeats.
+    for the GPU inside the loop; it synchronises between repeats. Background compiles the
+    warm-up calls started finish first (``quiet_host``).
     """
     for fn in fns.values():
         for _ in range(3):
             fn(*args)
+    quiet_host()
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for repeat in range(repeats):
