@@ -277,8 +277,12 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
 
     Each measurement captures its own graph and drops it afterwards, so that only one graph's
     memory pool is alive at a time. A function that cannot be captured (it synchronises, say)
-    keeps its eager time; its kernel-only time is NaN and a note says why.
+    keeps its eager time; its kernel-only time is NaN and a note says why. A note also counts
+    captured TMA launches that built their descriptors on the device (no host-descriptor
+    variant loaded: slower replays).
     """
+    from ..ops import graph_descriptors
+
     pending = quiet_host()
     first = next(iter(fns.values()))
     calls = calls_per_batch(first, args, settings.max_calls)
@@ -295,6 +299,7 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
             timings.eager_ms[name] = min(timings.eager_ms[name], eager)
             if name in uncapturable:
                 continue
+            built = graph_descriptors.DEVICE_BUILT_CAPTURES
             try:
                 graph = capture_graph(batches[name])
             except Exception as exc:  # reported in the row's note; the eager time stands
@@ -302,6 +307,11 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
                 timings.notes.append(f"{name}: no CUDA graph ({short_error(exc)})")
                 torch.cuda.synchronize()
                 continue
+            device_built = graph_descriptors.DEVICE_BUILT_CAPTURES - built
+            if device_built and round_index == 0:
+                # (slower replays: ops/graph_descriptors.py)
+                timings.notes.append(f"{name}: {device_built} captured launches of {calls} "
+                                     "calls built their TMA descriptors on the device")
             sampler = ClockSampler() if settings.sample_clocks else None
             with sampler or contextlib.nullcontext():
                 kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms,

@@ -67,6 +67,9 @@ _OFF = 0
 # Bumped whenever more variants become wanted: eager launches kept by run_kept skip prepare()
 # only while the generation they settled at is current.
 GENERATION = 0
+# Captured launches that built their descriptors on the device (no host variant loaded, and
+# not ``off``): benchmarks note them, since such replays take longer.
+DEVICE_BUILT_CAPTURES = 0
 
 
 def supports(kernel: Any) -> bool:
@@ -206,16 +209,16 @@ def launch_captured(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...],
     """Launch ``kernel`` with host-built descriptors on ``stream`` (which is capturing) where
     its host-descriptor variant is loaded; whether it did (else the caller launches as usual,
     and the variant is wanted from then on)."""
+    global DEVICE_BUILT_CAPTURES
     if _OFF:
         return False
     key = variant_key(kernel, args, meta, device)
     loaded = _VARIANTS.get(key, False)
-    if not isinstance(loaded, _Loaded):
+    described = describe(kernel, args, meta) if isinstance(loaded, _Loaded) else None
+    if described is None:
         if loaded is False and key not in _WANTED:
             _want(key)
-        return False
-    described = describe(kernel, args, meta)
-    if described is None:
+        DEVICE_BUILT_CAPTURES += 1
         return False
     host_args, host_meta = described
     compiled = loaded.compiled
