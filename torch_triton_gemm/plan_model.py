@@ -265,6 +265,31 @@ def narrow_overlap(plan: tuning.MMPlan, work: Work, kernel: str, pitch_vector: i
     return (1 + (rounds - 1) * NARROW_OVERLAP_ROUND) / rounds
 
 
+# The portable kernel's one-step tiles on narrow pitches it copies in less than 16-byte vectors
+# (cost kernel 'portable-narrow-one-step', pitch vector 0, 4 or 8) where K is shorter than
+# the tile's BLOCK_K, on outputs of more than NARROW_LARGE_OUTPUT_BYTES: their constants,
+# fitted mostly on small outputs, predict too little. Timed, such plans took 1.34x (element by
+# element), 1.48x (4-byte copies) and 1.36x (8-byte copies) their predicted times in geomean
+# (153 plan timings of H100 seeds 1 and 9-14), against 1.0-1.2x on outputs under 4 MB and
+# 0.8-1.1x where K fills the tile's step; on an H200, 6144 x 3858 x 19 on 64x128 tiles 48.4
+# us, predicted 29.7, where TMA on padded copies ran 33.7 (predicted 33.4) and cuBLAS 39.3
+# (docs/data/plans-h200-seed2166-worst-a357cd4.csv). Charged with NARROW_LARGE_OUTPUT_FACTOR:
+# 1.0 (off) until a held-out A/B times the picks it moves (bench.plans --narrow-large-output).
+NARROW_LARGE_OUTPUT_BYTES = 4 << 20
+NARROW_LARGE_OUTPUT_FACTOR = 1.0
+NARROW_LARGE_OUTPUT_FITTED = 1.4  # (the factor the A/B's arm plans with)
+
+
+def narrow_large_output(kernel: str, pitch_vector: int, k: int, block_k: int,
+                        output_bytes: int) -> float:
+    """The factor on a plan's compute for the one-step narrow tiles' large outputs (see
+    NARROW_LARGE_OUTPUT_FACTOR); 1 elsewhere."""
+    if (kernel == "portable-narrow-one-step" and pitch_vector < 16 and k < block_k
+            and output_bytes > NARROW_LARGE_OUTPUT_BYTES):
+        return NARROW_LARGE_OUTPUT_FACTOR
+    return 1.0
+
+
 # What the L2 cache serves the SMs, bytes per microsecond, and how sharply that limit takes
 # over from the rest of a plan's time where they come close (see l2_us; 0: no limit).
 L2_BYTES_PER_US = 1.3e7
@@ -427,7 +452,8 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     cost = tile_cost(costs, kernel, plan.tile)
     compute = work.steps * cost.step_us + work.tiles * cost.tile_us
     compute *= partial_round(plan, work, machine.num_sms) * narrow_overlap(
-        plan, work, kernel, pitch_vector, element_size)
+        plan, work, kernel, pitch_vector, element_size) * narrow_large_output(
+        kernel, pitch_vector, k, plan.tile.block_k, m * n * out_size)
     compute += work.exchanges * costs.exchange_us
     operand_bytes = (m * k + k * n) * element_size
     bytes_moved = operand_bytes + m * n * out_size + work.extra_bytes
