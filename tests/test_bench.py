@@ -39,6 +39,7 @@ from torch_triton_gemm.bench import (
     timing,
 )
 from torch_triton_gemm.bench.results import (
+    DEVICE_BUILT_NOTE,
     ColdStartResult,
     E2EResult,
     GemmResult,
@@ -641,6 +642,20 @@ def test_markdown_table():
     assert md[2].startswith("| suite | name | M | N | K | dtype | tgemm TFLOP/s |")
     assert md[3].startswith("| :--- | :--- | ---: |")
     assert md[4].startswith("| llama | qkv | 1 | 6144 | 4096 | bf16 |")
+
+
+def test_summary_counts_rows_whose_captures_built_tma_descriptors_on_the_device():
+    """A row whose note says its captured launches built their TMA descriptors on the device
+    (timing.compare's note: slower replays) is counted under the summary, named with the
+    first three; a run without such rows says nothing of it."""
+    assert "TMA descriptors on the device" not in report.summary(_run_results())
+    rows = _mm_results()
+    for row in rows[:4]:
+        row.note = f"tgemm: 16 captured launches of 16 calls {DEVICE_BUILT_NOTE}"
+    text = report.summary(dataclasses.replace(_run_results(), mm=rows))
+    labels = ", ".join(r.label() for r in rows[:3])
+    assert (f"4 rows captured launches that built their TMA descriptors on the device "
+            f"(slower replays): {labels} and 1 more") in text
 
 
 def test_geometric_mean():

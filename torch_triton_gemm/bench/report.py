@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from . import suites
 from .results import (
+    DEVICE_BUILT_NOTE,
     SCALED_LATENCY_NAMES,
     ColdStartResult,
     E2EResult,
@@ -423,6 +424,11 @@ def summary_lines(results: RunResults) -> list[str]:
     if worst is not None:
         lines.append(f"worst row (kernel-only, vs torch): {worst.label()} "
                      f"{fmt_times(worst.ratio('torch', 'kernel'))}")
+    device_built = [r.label() for r in gemm_rows if DEVICE_BUILT_NOTE in r.note]
+    if device_built:
+        more = f" and {len(device_built) - 3} more" if len(device_built) > 3 else ""
+        lines.append(f"{len(device_built)} rows captured launches that {DEVICE_BUILT_NOTE} "
+                     f"(slower replays): {', '.join(device_built[:3])}{more}")
     failed = sum(bool(r.error) for r in (*gemm_rows, *results.latency, *results.coldstart))
     if failed:
         lines.append(f"{failed} rows failed: see the ERROR lines under the tables")

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from .suites import Case, GroupedCase, MoECase, ScaledCase, ScaledGroupedCase
 
+# How a row's note says that captured launches built their TMA descriptors on the device
+# (timing.compare writes it; report.summary_lines counts such rows).
+DEVICE_BUILT_NOTE = "built their TMA descriptors on the device"
+
 AnyCase = Case | GroupedCase | ScaledCase | ScaledGroupedCase | MoECase
 
 # Implementations a GEMM row may time: tgemm, the torch peer (torch.mm, torch._grouped_mm,

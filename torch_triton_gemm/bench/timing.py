@@ -40,6 +40,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from .results import DEVICE_BUILT_NOTE
+
 # Operand copies that calls cycle through span at least this many bytes (as much as do_bench
 # clears): several times the L2 cache of current GPUs.
 ROTATE_BYTES = 256 * 2**20
@@ -311,7 +313,7 @@ def compare(fns: Mapping[str, Callable[..., Any]], args: Sequence[Any],
             if device_built and round_index == 0:
                 # (slower replays: ops/graph_descriptors.py)
                 timings.notes.append(f"{name}: {device_built} captured launches of {calls} "
-                                     "calls built their TMA descriptors on the device")
+                                     f"calls {DEVICE_BUILT_NOTE}")
             sampler = ClockSampler() if settings.sample_clocks else None
             with sampler or contextlib.nullcontext():
                 kernel = time_batches(graph.replay, calls, settings.warmup_ms, settings.rep_ms,
