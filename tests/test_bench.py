@@ -1161,7 +1161,8 @@ def test_timings_wait_for_background_compiles_first(monkeypatch):
         def __init__(self, unfinished: int) -> None:
             self.unfinished, self.drains = unfinished, 0
 
-        def drain(self) -> None:
+        def drain(self, timeout: float | None = None) -> None:
+            assert timeout == timing.QUIET_HOST_WAIT_S  # bounded
             self.drains += 1
             self.unfinished = 0
 

@@ -258,6 +258,10 @@ def short_error(exc: BaseException, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+# The longest quiet_host waits for any one background compile, seconds.
+QUIET_HOST_WAIT_S = 120.0
+
+
 def quiet_host() -> int:
     """Wait for tgemm's background compiles (ops/compile_pool.py: the variants a first call
     submits, its capture launch's and its backward's; host-descriptor variants) before a
@@ -268,7 +272,7 @@ def quiet_host() -> int:
 
     pending = POOL.unfinished
     if pending:
-        POOL.drain()
+        POOL.drain(QUIET_HOST_WAIT_S)  # (bounded: a stuck compile must not stop the run)
     return pending
 
 
