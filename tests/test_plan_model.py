@@ -901,30 +901,31 @@ def test_dram_scaling_is_a_rule_left_off_until_timed(h100, monkeypatch):
     assert h200.split_k > plan_model.modelled_plan(*args).split_k
 
 
-def test_narrow_large_output_is_a_rule_left_off_until_timed(h100, monkeypatch):
-    """With NARROW_LARGE_OUTPUT_FACTOR at 1 (off until a held-out A/B) nothing changes; at its
-    fitted value it charges the portable kernel's one-step tiles on narrow pitches copied in
-    less than 16-byte vectors, K shorter than the tile's step, outputs over 4 MiB: 6144 x
-    3858 x 19 (an H200 ran its portable pick 48.4 us, TMA on padded copies 33.7) moves onto
-    TMA, while a K that fills the step, a small output or 16-byte vectors keep their costs."""
-    assert plan_model.NARROW_LARGE_OUTPUT_FACTOR == 1.0
+def test_narrow_large_output_charges_one_step_narrow_tiles_on_large_outputs(h100, monkeypatch):
+    """NARROW_LARGE_OUTPUT_FACTOR charges the portable kernel's one-step tiles on narrow
+    pitches copied in less than 16-byte vectors, K shorter than the tile's step, outputs over
+    4 MiB: 6144 x 3858 x 19 (an H200 ran its portable pick 48.4 us, TMA on padded copies
+    33.7) plans TMA on padded copies, and the portable pick with the rule off; a K that fills
+    the step, a small output or 16-byte vectors plan alike either way."""
+    factor = plan_model.NARROW_LARGE_OUTPUT_FACTOR
+    assert factor > 1.2
 
     def pick(m: int, n: int, k: int, vector: int = 0) -> tuning.MMPlan:
         return plan_model.modelled_plan(m, n, k, 2, 2, True, 132, False, True, False, vector)
 
-    before = {shape: pick(*shape) for shape in ((6144, 3858, 19), (11264, 2816, 64),
-                                                 (512, 1024, 19), (6144, 3858, 19, 16))}
-    assert before[(6144, 3858, 19)].kernel == "portable"
-    one_step = tuning.MMPlan("portable", before[(6144, 3858, 19)].tile)
+    shapes = ((6144, 3858, 19), (11264, 2816, 64), (512, 1024, 19), (6144, 3858, 19, 16))
+    on = {shape: pick(*shape) for shape in shapes}
+    assert on[(6144, 3858, 19)].kernel == "tma" and on[(6144, 3858, 19)].pad is not False
+    monkeypatch.setattr(plan_model, "NARROW_LARGE_OUTPUT_FACTOR", 1.0)
+    off = pick(6144, 3858, 19)
+    assert off.kernel == "portable"
+    one_step = tuning.MMPlan("portable", off.tile)
     args = (6144, 3858, 19, 2, 2, False, True, False, 0)
     unscaled = plan_model.predict_us(plan_model.H100_COSTS, one_step, *args)
-    monkeypatch.setattr(plan_model, "NARROW_LARGE_OUTPUT_FACTOR",
-                        plan_model.NARROW_LARGE_OUTPUT_FITTED)
+    for shape in shapes[1:]:
+        assert pick(*shape) == on[shape], shape
+    monkeypatch.setattr(plan_model, "NARROW_LARGE_OUTPUT_FACTOR", factor)
     assert plan_model.predict_us(plan_model.H100_COSTS, one_step, *args) > 1.2 * unscaled
-    moved = pick(6144, 3858, 19)
-    assert moved.kernel == "tma" and moved.pad is not False
-    for shape in ((11264, 2816, 64), (512, 1024, 19), (6144, 3858, 19, 16)):
-        assert pick(*shape) == before[shape], shape
 
 
 def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():

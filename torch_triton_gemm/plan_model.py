@@ -273,11 +273,12 @@ def narrow_overlap(plan: tuning.MMPlan, work: Work, kernel: str, pitch_vector: i
 # (153 plan timings of H100 seeds 1 and 9-14), against 1.0-1.2x on outputs under 4 MB and
 # 0.8-1.1x where K fills the tile's step; on an H200, 6144 x 3858 x 19 on 64x128 tiles 48.4
 # us, predicted 29.7, where TMA on padded copies ran 33.7 (predicted 33.4) and cuBLAS 39.3
-# (docs/data/plans-h200-seed2166-worst-a357cd4.csv). Charged with NARROW_LARGE_OUTPUT_FACTOR:
-# 1.0 (off) until a held-out A/B times the picks it moves (bench.plans --narrow-large-output).
+# (docs/data/plans-h200-seed2166-worst-a357cd4.csv). Charged with NARROW_LARGE_OUTPUT_FACTOR.
+# Held out (H200, seeds 3001-3007, the 7 bf16 products it moves onto TMA on padded copies):
+# 1.19x faster in geomean, 1.04-1.42x on six, 0.84x on 4873 x 6528 x 4 with B row-major
+# (25.8 -> 30.6 us, still 1.21x cuBLAS) (docs/data/plans-h200-narrow-large-output-ab-f82d6b8.csv).
 NARROW_LARGE_OUTPUT_BYTES = 4 << 20
-NARROW_LARGE_OUTPUT_FACTOR = 1.0
-NARROW_LARGE_OUTPUT_FITTED = 1.4  # (the factor the A/B's arm plans with)
+NARROW_LARGE_OUTPUT_FACTOR = 1.4
 
 
 def narrow_large_output(kernel: str, pitch_vector: int, k: int, block_k: int,

@@ -399,10 +399,9 @@ RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
     ("--dram-scaling", plan_model, "DRAM_SCALING", True,
      "plan with the memory system's bandwidth scaled to the GPU's peak DRAM bandwidth "
      "(plan_model.DRAM_SCALING on)"),
-    ("--narrow-large-output", plan_model, "NARROW_LARGE_OUTPUT_FACTOR",
-     plan_model.NARROW_LARGE_OUTPUT_FITTED,
-     "plan as if the portable kernel's one-step tiles on narrow pitches took 1.4x their "
-     "constants' time on outputs over 4 MiB (plan_model.NARROW_LARGE_OUTPUT_FACTOR on)"),
+    ("--no-narrow-large-output", plan_model, "NARROW_LARGE_OUTPUT_FACTOR", 1.0,
+     "plan as if the portable kernel's one-step tiles on narrow pitches took their "
+     "constants' time on outputs over 4 MiB (plan_model.narrow_large_output off)"),
     ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
