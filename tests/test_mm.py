@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_triton_gemm as tg
 from torch_triton_gemm import device as tgemm_device
 from torch_triton_gemm import plan_model, tuning
+from torch_triton_gemm.ops import launcher, planner
 from torch_triton_gemm.ops import mm as mm_module
-from torch_triton_gemm.ops import planner
 from torch_triton_gemm.ops.launcher import launch_mm
 from torch_triton_gemm.ops.planner import plan_mm
 
@@ -173,7 +173,8 @@ def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatc
     K split (12 ways and its reduction; a tail split in three launches) in one kernel
     ("inline"), and a large product whose pitches TMA cannot describe, which the planner's
     portable plan reads from padded copies of both operands, on the operands as they are
-    ("unpadded"); and host-bound products whose pick is an unsplit TMA plan on the portable
+    ("unpadded": with plan_model.PORTABLE_READS_AS_IS off, whose on-rule plans so for graphs
+    too); and host-bound products whose pick is an unsplit TMA plan on the portable
     kernel with the same tile ("twin": no device-built descriptors). All give the same bits,
     right to bf16 precision. (The warp-specialized kernel's plans, which take 1536 x 1536 x
     1024 on Hopper, left out: they launch once.)"""
@@ -184,6 +185,14 @@ def test_eager_plans_run_fewer_launches_with_the_bits_of_the_planners(monkeypatc
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     if moved == "unpadded" and not tgemm_device.supports_tma(a.device):
         pytest.skip("no TMA: the launcher pads no operands")
+    if moved == "unpadded":
+        as_is = planner.plan_mm(a, b, None, out, "none", False)
+        assert as_is.kernel == "portable" and as_is.pad is False
+        assert planner.eager_mm_plan(a, b, out, as_is) is None
+        # The rule off for this test only: memos of its plans and launches left behind.
+        monkeypatch.setattr(plan_model, "PORTABLE_READS_AS_IS", False)
+        monkeypatch.setattr(planner, "_PLANS", {})
+        monkeypatch.setattr(launcher, "_EAGER_LAUNCHES", {})
     plan = planner.plan_mm(a, b, None, out, "none", False)
     eager = planner.eager_mm_plan(a, b, out, plan)
     if moved == "inline":

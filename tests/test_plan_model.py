@@ -928,6 +928,27 @@ def test_narrow_large_output_charges_one_step_narrow_tiles_on_large_outputs(h100
     assert plan_model.predict_us(plan_model.H100_COSTS, one_step, *args) > 1.2 * unscaled
 
 
+def test_portable_plans_read_the_operands_the_launcher_would_copy_as_they_are(h100, monkeypatch):
+    """Where the launcher copies a large product's operands for plans that leave ``pad`` unset
+    (``copies``), the plan model's portable plans read them as they are (``pad=False``), as it
+    costs them: 7944 x 512 x 52 (an H200 copied both operands, 2 x 2.2 us, before its 11.7 us
+    GEMM; 8.7 us reading them as they are). TMA plans keep their copies, and the picks are
+    the same plans otherwise; with the rule off, portable plans leave ``pad`` unset."""
+    view = (False, True, False, 8)
+    for shape in ((7944, 512, 52), (3200, 832, 756)):
+        before = plan_model.modelled_plan(*shape, 2, 2, True, 132, *view)
+        picked = plan_model.modelled_plan(*shape, 2, 2, True, 132, *view, copies=True)
+        if before.kernel == "portable":
+            assert before.pad is None and picked == dataclasses.replace(before, pad=False)
+        else:
+            assert picked == before and picked.pad
+    assert plan_model.modelled_plan(7944, 512, 52, 2, 2, True, 132, *view,
+                                    copies=True).kernel == "portable"
+    monkeypatch.setattr(plan_model, "PORTABLE_READS_AS_IS", False)
+    assert plan_model.modelled_plan(7944, 512, 52, 2, 2, True, 132, *view,
+                                    copies=True).pad is None
+
+
 def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():
     """``fit.scaled_to_model``: a product's timings times the model's prediction for its
     pick over the pick's measured time in the same run (the warp-specialized kernel's H200

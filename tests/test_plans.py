@@ -1544,3 +1544,22 @@ def test_size_hints_give_operands_contiguous_along_m_or_n_vector_copies_for_hopp
         counts[operand, int(align)] = int(loads)
     for operand in ("a", "b"):
         assert counts[operand, 1] >= max(16, 4 * counts[operand, 8]), counts
+
+
+def test_the_model_view_says_where_the_launcher_copies_operands(monkeypatch):
+    """``planner.model_view``'s last entry: whether the launcher copies operands TMA cannot
+    describe for plans that leave ``pad`` unset (large products, either operand); not for a
+    small product or aligned pitches."""
+    from torch_triton_gemm import device as tgemm_device
+
+    monkeypatch.setattr(tgemm_device, "supports_tma", lambda device: True)
+
+    def view(m: int, n: int, k: int, a_pitch: int, b_pitch: int) -> planner.ModelView:
+        a = torch.empty(m, a_pitch, dtype=torch.float16)[:, :k]
+        b = torch.empty(n, b_pitch, dtype=torch.float16)[:, :k].t()
+        return planner.model_view(a, b, torch.empty(m, n, dtype=torch.float16))
+
+    assert view(3200, 832, 756, 756, 756) == (False, True, False, 8, True)
+    assert view(3200, 832, 756, 768, 756)[4]  # B copied
+    assert not view(64, 832, 756, 756, 756)[4]
+    assert view(3200, 832, 768, 768, 768) == (True, False, False, 16, False)

@@ -107,6 +107,19 @@ REFINES = {"portable-narrow-one-step": "portable-narrow",
            "portable-narrow-vector": "portable-narrow"}
 
 
+# Whether the launcher copies a product's operands TMA cannot describe as they are, for plans
+# that leave ``pad`` unset (``operands.kernel_operands``: large products); the plan model's
+# portable plans then read them as they are (``pad=False``), as it costs them. While portable
+# plans left ``pad`` unset, the launcher copied for them too: on an H200, 7944 x 512 x 52
+# (pitch 52) ran its pick in 16.5 us, two copies of 2.2 us and the GEMM's 11.7, against 12.6
+# predicted and cuBLAS's 7.1 (docs/data/bench-sweep-h200-seed2166-shard2-a357cd4.csv); reading
+# them as they are, 8.7 us (docs/data/bench-sweep-h200-seed2166-shard2-bf16-183a0c4.csv).
+# Costing the portable kernel on the copies instead, with the copies charged, moved such
+# products from TMA onto it, and 4032 x 2304 x 102 ran 2x slower there (17.4 -> 35.2 us).
+# Off (PORTABLE_READS_AS_IS False): portable plans leave ``pad`` unset, as before.
+PORTABLE_READS_AS_IS = True
+
+
 def one_step(plan: tuning.MMPlan, k: int, element_size: int) -> bool:
     """Whether each program of ``plan`` takes one K step through ``k`` columns (see
     ``cost_kernel``): one whole BLOCK_K step, or one step of the remainder
@@ -717,7 +730,8 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
                   num_sms: int, aligned: bool, narrow: bool,
                   a_m_contiguous: bool = False, pitch_vector: int = 0,
                   l2_bytes: int | None = None, wgmma: bool = False,
-                  dram_gbps: float | None = None) -> tuning.MMPlan | None:
+                  dram_gbps: float | None = None, copies: bool = False
+                  ) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
     predicts (``plan_model``: waves of tiles over the SMs, bytes over the bandwidth of the busy
@@ -727,8 +741,10 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     copy the portable kernel makes along such pitches (``cost_kernel``); ``l2_bytes``: the
     GPU's L2 cache (None: the fitted H100's); ``wgmma``: the warp-specialized kernel can run
     the product (the planner's ``ws_applies``), whose plans compete once the constants cost
-    them; ``dram_gbps``: the GPU's peak DRAM bandwidth (see DRAM_SCALING). None where no plan
-    of the space fits the GPU's shared memory."""
+    them; ``dram_gbps``: the GPU's peak DRAM bandwidth (see DRAM_SCALING); ``copies``: the
+    launcher copies the operands for plans that leave ``pad`` unset, where portable plans
+    read them as they are (PORTABLE_READS_AS_IS). None where no plan of the space fits the
+    GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
     costs = with_machine(H100_COSTS, num_sms, l2_bytes, dram_gbps)
     # Splits that finish their own tiles once the constants cost them (a fit on timings of
@@ -743,6 +759,9 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
              and (not tuning.warp_specialized(p) or p.kernel in costed)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
+    if copies and PORTABLE_READS_AS_IS:
+        plans = [dataclasses.replace(p, pad=False) if p.kernel == "portable" else p
+                 for p in plans]
     return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,
                      a_m_contiguous, pitch_vector)
 

@@ -48,7 +48,7 @@ FIELDS = ("name", "a_layout", "b_layout", "dtype", "M", "N", "K", "aligned", "na
 def plan_name(plan: tuning.MMPlan | None) -> str:
     """A plan as one compact field: kernel, tile (BMxBNxBK, warps, stages), K splits (T: the
     partial wave's only, F: finishing their own tiles, I: in one launch), stream-K, padded
-    copies."""
+    copies (nocopy: a plan that reads operands as they are where others copy them)."""
     if plan is None:
         return "none"
     t = plan.tile
@@ -57,7 +57,7 @@ def plan_name(plan: tuning.MMPlan | None) -> str:
             f"{'F' if plan.split_fixup else ''}{'I' if plan.split_inline else ''}")
     if plan.stream_k:
         name += f":streamk{plan.stream_k}"
-    return name + (":pad" if plan.pad else "")
+    return name + (":pad" if plan.pad else ":nocopy" if plan.pad is False else "")
 
 
 @contextlib.contextmanager
@@ -82,7 +82,7 @@ def picks(cases: Sequence[Case], dtypes: Sequence[str]) -> list[dict[str, object
             for dtype in dtypes:
                 a, b = make_operands(case, DTYPES[dtype], meta)
                 out = torch.empty((case.m, case.n), dtype=a.dtype, device=meta)
-                aligned, narrow, _, pitch_vector = model_view(a, b, out)
+                aligned, narrow, _, pitch_vector, _ = model_view(a, b, out)
                 rows.append({
                     "name": case.name, "a_layout": case.a_layout, "b_layout": case.b_layout,
                     "dtype": dtype, "M": case.m, "N": case.n, "K": case.k,

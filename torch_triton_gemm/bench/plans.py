@@ -402,6 +402,9 @@ RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
     ("--no-narrow-large-output", plan_model, "NARROW_LARGE_OUTPUT_FACTOR", 1.0,
      "plan as if the portable kernel's one-step tiles on narrow pitches took their "
      "constants' time on outputs over 4 MiB (plan_model.narrow_large_output off)"),
+    ("--portable-copies", plan_model, "PORTABLE_READS_AS_IS", False,
+     "plan as if the portable kernel's plans read the copies the launcher makes of large "
+     "products' operands TMA cannot describe (plan_model.PORTABLE_READS_AS_IS off)"),
     ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),

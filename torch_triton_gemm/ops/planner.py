@@ -79,12 +79,11 @@ def modelled_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tun
     return _modelled(M, N, K, out.element_size(), a.device, model_view(a, b, out), wgmma)
 
 
-def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
-               ) -> tuple[bool, bool, bool, int]:
+def model_view(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> ModelView:
     """How the plan model sees these operands (known sizes): whether TMA reads them as they
     are (no padded copies), whether a pitch is not a multiple of 16 elements, whether A's
-    columns are contiguous, and the widest copy the portable kernel makes along narrow
-    pitches (``_pitches``)."""
+    columns are contiguous, the widest copy the portable kernel makes along narrow pitches
+    (``_pitches``), and whether the launcher copies operands (``_model_view``)."""
     tma_args, pads, _ = kernel_operands(a, b, out)
     return _model_view(a, b, tma_args, pads)
 
@@ -113,30 +112,37 @@ def eager_mm_plan(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     if plan != _modelled(M, N, K, out.element_size(), a.device, view):
         return None
     return plan_model.eager_plan(plan, M, N, K, 2, out.element_size(),
-                                 _device.num_sms(a.device), *view,
+                                 _device.num_sms(a.device), *view[:4],
                                  copies=sum(pad is not None for pad in pads),
                                  l2_bytes=_device.l2_cache_bytes(a.device),
                                  dram_gbps=_device.dram_gbps(a.device))
 
 
+# How the plan model sees a product's operands (_model_view).
+ModelView = tuple[bool, bool, bool, int, bool]
+
+
 def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
-              view: tuple[bool, bool, bool, int], wgmma: bool = False) -> tuning.MMPlan | None:
+              view: ModelView, wgmma: bool = False) -> tuning.MMPlan | None:
     # The plan model weighs copying operands TMA cannot describe as they are.
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
-                                    _device.num_sms(device), *view,
+                                    _device.num_sms(device), *view[:4],
                                     l2_bytes=_device.l2_cache_bytes(device), wgmma=wgmma,
-                                    dram_gbps=_device.dram_gbps(device))
+                                    dram_gbps=_device.dram_gbps(device), copies=view[4])
 
 
-def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any, pads: tuple[Any, Any]
-                ) -> tuple[bool, bool, bool, int]:
+def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any,
+                pads: tuple[Any, Any]) -> ModelView:
     """How the plan model sees the operands (``_plan``'s ``view``): TMA reads them as they are
     (it needs no padded copies; where the GPU has no TMA, the plan model offers no TMA plans
     and this is not asked), a pitch is not a multiple of 16 elements, A's columns are
-    contiguous, the widest copy the portable kernel makes along such pitches (``_pitches``)."""
+    contiguous, the widest copy the portable kernel makes along such pitches (``_pitches``),
+    and the launcher copies operands for plans that leave ``pad`` unset
+    (``plan_model.PORTABLE_READS_AS_IS``)."""
     aligned = tma_args is not None and pads == (None, None)
     narrow, pitch_vector = _pitches(a, b)
-    return aligned, narrow, a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1, pitch_vector
+    a_m_contiguous = a.stride(0) == 1 and a.stride(1) != 1 and a.shape[0] > 1
+    return aligned, narrow, a_m_contiguous, pitch_vector, pads != (None, None)
 
 
 def swap_plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -199,7 +205,7 @@ def _pitches(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, int]:
 def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activation: str,
           out_size: int, layout: int, tma: bool, eager: bool,
           scales: GemmScales | None = None,
-          view: tuple[bool, bool, bool, int] | None = None,
+          view: ModelView | None = None,
           wgmma: bool = False) -> tuning.MMPlan:
     """The launch plan: a forced one (tests, tuning), else the tuned table's, else, for 16-bit
     operands on a GPU, the plan model's (``view``: ``_model_view``'s), else the heuristic's.
