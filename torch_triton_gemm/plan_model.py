@@ -116,7 +116,8 @@ REFINES = {"portable-narrow-one-step": "portable-narrow",
 # them as they are, 8.7 us (docs/data/bench-sweep-h200-seed2166-shard2-bf16-183a0c4-draft.csv).
 # Held out (H200, seeds 3000-3005, the 12 bf16 products whose portable pick it moves off the
 # copies): 1.16x faster in geomean, 10 faster (up to 1.51x), 1728 x 1408 x 64 0.80x and 792 x
-# 3141 x 64 0.90x, both still 1.1x cuBLAS (docs/data/plans-h200-portable-reads-as-is-ab-d0ea6e9.csv).
+# 3141 x 64 0.90x, both still 1.1x cuBLAS
+# (docs/data/plans-h200-portable-reads-as-is-ab-d0ea6e9.csv).
 # A draft that costed the portable kernel on the copies instead, with the copies charged,
 # moved products from TMA onto it, and 4032 x 2304 x 102 ran 2x slower there (17.4 -> 35.2 us).
 # Off (PORTABLE_READS_AS_IS False): portable plans leave ``pad`` unset, as before.
