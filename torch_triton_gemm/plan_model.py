@@ -618,6 +618,7 @@ def eager_plan(picked: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
     the portable kernel so in any case), by the same margin. On an H200, 2944 x 896 x 109
     (both pitches 109) took 64 us an eager call, two copies and the GEMM, against 15 in a CUDA
     graph and torch.mm's 19.6 (docs/data/eager-host-diag-h200-a4852a6.csv); not yet timed.
+    (With PORTABLE_READS_AS_IS on, the model's portable picks read them as they are already.)
 
     Where ``picked`` is an unsplit plan of the persistent TMA kernel on operands it reads as
     they are, and the portable kernel on the same tile is predicted to take no longer than the
