@@ -937,16 +937,16 @@ def test_portable_plans_read_the_operands_the_launcher_would_copy_as_they_are(h1
     view = (False, True, False, 8)
     for shape in ((7944, 512, 52), (3200, 832, 756)):
         before = plan_model.modelled_plan(*shape, 2, 2, True, 132, *view)
-        picked = plan_model.modelled_plan(*shape, 2, 2, True, 132, *view, copies=True)
+        picked = plan_model.modelled_plan(*shape, 2, 2, True, 132, *view, launcher_copies=True)
         if before.kernel == "portable":
             assert before.pad is None and picked == dataclasses.replace(before, pad=False)
         else:
             assert picked == before and picked.pad
     assert plan_model.modelled_plan(7944, 512, 52, 2, 2, True, 132, *view,
-                                    copies=True).kernel == "portable"
+                                    launcher_copies=True).kernel == "portable"
     monkeypatch.setattr(plan_model, "PORTABLE_READS_AS_IS", False)
     assert plan_model.modelled_plan(7944, 512, 52, 2, 2, True, 132, *view,
-                                    copies=True).pad is None
+                                    launcher_copies=True).pad is None
 
 
 def test_timings_scale_into_the_constants_units_by_the_picks_of_the_same_run():

@@ -735,7 +735,7 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
                   num_sms: int, aligned: bool, narrow: bool,
                   a_m_contiguous: bool = False, pitch_vector: int = 0,
                   l2_bytes: int | None = None, wgmma: bool = False,
-                  dram_gbps: float | None = None, copies: bool = False
+                  dram_gbps: float | None = None, launcher_copies: bool = False
                   ) -> tuning.MMPlan | None:
     """The plan of the plan space (stream-K left out, and splits that finish their own tiles
     until the constants cost them) with the least time the plan model
@@ -746,8 +746,8 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
     copy the portable kernel makes along such pitches (``cost_kernel``); ``l2_bytes``: the
     GPU's L2 cache (None: the fitted H100's); ``wgmma``: the warp-specialized kernel can run
     the product (the planner's ``ws_applies``), whose plans compete once the constants cost
-    them; ``dram_gbps``: the GPU's peak DRAM bandwidth (see DRAM_SCALING); ``copies``: the
-    launcher copies the operands for plans that leave ``pad`` unset, where portable plans
+    them; ``dram_gbps``: the GPU's peak DRAM bandwidth (see DRAM_SCALING); ``launcher_copies``:
+    the launcher copies the operands for plans that leave ``pad`` unset, where portable plans
     read them as they are (PORTABLE_READS_AS_IS). None where no plan of the space fits the
     GPU's shared memory."""
     m, n, k = max(m, 1), max(n, 1), max(k, 1)  # an empty output launches nothing
@@ -764,7 +764,7 @@ def modelled_plan(m: int, n: int, k: int, element_size: int, out_size: int, tma:
              and (not tuning.warp_specialized(p) or p.kernel in costed)]
     if not plans:  # no tile of the space fits (a GPU with little shared memory)
         return None
-    if copies and PORTABLE_READS_AS_IS:
+    if launcher_copies and PORTABLE_READS_AS_IS:
         plans = [dataclasses.replace(p, pad=False) if p.kernel == "portable" else p
                  for p in plans]
     return best_plan(costs, plans, m, n, k, element_size, out_size, aligned, narrow,

@@ -128,7 +128,8 @@ def _modelled(M: int, N: int, K: int, out_size: int, device: torch.device,
     return plan_model.modelled_plan(M, N, K, 2, out_size, _device.supports_tma(device),
                                     _device.num_sms(device), *view[:4],
                                     l2_bytes=_device.l2_cache_bytes(device), wgmma=wgmma,
-                                    dram_gbps=_device.dram_gbps(device), copies=view[4])
+                                    dram_gbps=_device.dram_gbps(device),
+                                    launcher_copies=view[4])
 
 
 def _model_view(a: torch.Tensor, b: torch.Tensor, tma_args: Any,
