@@ -2027,9 +2027,10 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     """bench.ab: per seed, the cases a rule flag's arm plans differently (bench.picks, here
     --portable-copies on seed 3003: 792 x 3141 x 64 and its like read their operands as they
     are by default), each timed by bench.plans --chosen-only on both arms (replaced here by a
-    stand-in that records its arguments and times the flag's arm 1.25x the default's), into
-    one CSV with seed and arm; the rule constants and memos as they were; a seed that moves
-    nothing is skipped; exactly one rule flag is taken."""
+    stand-in that records its arguments and times the flag's arm, on copies, 1.25x the
+    default's), into one CSV with seed and arm and one per arm, reported by bench.compare; the
+    rule constants and memos as they were; a seed that moves nothing is skipped; exactly one
+    rule flag is taken."""
     from torch_triton_gemm import plan_model
     from torch_triton_gemm.bench import ab, plans
 
@@ -2037,16 +2038,18 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
 
     def timed_plans(argv: list[str]) -> int:
         calls.append(argv)
-        if "--portable-copies" in argv:
+        flagged = "--portable-copies" in argv
+        if flagged:
             plan_model.PORTABLE_READS_AS_IS = False  # as bench.plans sets it, for good
         with open(argv[argv.index("--cases") + 1], newline="") as file:
             rows = list(csv.DictReader(file))
-        us = 12.5 if "--portable-copies" in argv else 10.0
+        us = 12.5 if flagged else 10.0
         with open(argv[argv.index("--csv") + 1], "w", newline="") as file:
-            writer = csv.DictWriter(file, ["name", "dtype", "us", "cublas_us"])
+            writer = csv.DictWriter(file, plans.FIELDS, extrasaction="ignore")
             writer.writeheader()
-            writer.writerows({"name": r["name"], "dtype": r["dtype"], "us": us,
-                              "cublas_us": 11.0} for r in rows)
+            writer.writerows({**r, "kernel": "portable", "pad": "" if flagged else "False",
+                              "heuristic": True, "us": us, "cublas_us": 11.0,
+                              "ratio": 11.0 / us} for r in rows)
         return 0
 
     monkeypatch.setattr(plans, "main", timed_plans)
@@ -2059,9 +2062,14 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     assert "792x3141x64 b-pad65" in names and {r["seed"] for r in rows} == {"3003"}
     assert {r["arm"] for r in rows} == {"--portable-copies", "default"}
     assert len(rows) == 2 * len(names) and all(r["dtype"] == "bf16" for r in rows)
+    for arm in ("portable-copies", "default"):
+        with open(tmp_path / f"ab-{arm}.csv", newline="") as file:
+            assert {r["name"] for r in csv.DictReader(file)} == names
     assert len(calls) == 2 and all("--chosen-only" in c and "3003" in c for c in calls)
     printed = capsys.readouterr().out
-    assert f"{len(names)} cases on both arms" in printed and "1.250x" in printed
+    changed = next(line.strip() for line in printed.splitlines()
+                   if line.strip().startswith("plan changed"))
+    assert changed.split()[2:4] == [str(len(names)), "1.250"]
     assert ab.seeds_of("3000-3002,3005") == [3000, 3001, 3002, 3005]
     with pytest.raises(SystemExit):
         ab.main(["--seeds", "3003", "--csv", out])

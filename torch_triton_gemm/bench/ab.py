@@ -1,29 +1,30 @@
 """A planner rule's held-out A/B, every seed in one process: the cases the rule moves on each
 seed's sweep (bench.picks: the plan model's picks with an H100's numbers, one arm against
-the other) and both arms' picks timed on this GPU (bench.plans --chosen-only), into one CSV
-with ``seed`` and ``arm`` columns; then the rule's speedup over the moved cases.
+the other) and both arms' picks timed on this GPU (bench.plans --chosen-only); then
+bench.compare's report of the two arms.
 
     python -m torch_triton_gemm.bench.ab --portable-copies --seeds 3000-3007 --csv ab.csv
 
 The flag is one of bench.plans' rule flags: its arm plans as the flag says, the other
-("default") as the planner does. The speedup of a case is its time on the flag's arm over its
-time on the default arm (above 1: the default faster); printed are their geometric mean, how
-many are above 1 and the lowest. One process for every seed saves a start and the compile of
-kernels the seeds share (about 10 s a seed on an H200's host).
+("default") as the planner does. ``--csv ab.csv`` gets both arms' rows with ``seed`` and
+``arm`` columns; ``ab-portable-copies.csv`` and ``ab-default.csv`` each arm's, as
+bench.plans writes them (with ``seed``), for ``python -m torch_triton_gemm.bench.compare``.
+The report's speed-up is the flag's arm's time over the default's (above 1: the default
+faster). One process for every seed saves a start and the compile of kernels the seeds share
+(about 10 s a seed on an H200's host).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
 from ..ops import launcher, planner
-from . import picks, plans
+from . import compare, picks, plans
 
 
 def seeds_of(text: str) -> list[int]:
@@ -71,18 +72,6 @@ def _read(path: str) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
-def speedups(rows: Sequence[dict[str, str]], flag: str) -> list[tuple[float, str]]:
-    """Per case timed on both arms (same seed, name and dtype): time on ``flag``'s arm over
-    time on the default arm, and the case ("seed name dtype")."""
-    times: dict[tuple[str, str, str], dict[str, float]] = {}
-    for row in rows:
-        if row.get("us"):
-            key = (row["seed"], row["name"], row["dtype"])
-            times.setdefault(key, {})[row["arm"]] = float(row["us"])
-    return [(arms[flag] / arms["default"], " ".join(key)) for key, arms in times.items()
-            if flag in arms and "default" in arms and arms["default"] > 0]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.ab",
                                      description=__doc__.splitlines()[0])
@@ -99,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"give one rule flag, not {len(chosen)}")
     flag = chosen[0]
     common = ["--count", str(args.count), "--dtypes", args.dtypes]
-    rows: list[dict[str, str]] = []
+    arms: dict[str, list[dict[str, str]]] = {flag: [], "default": []}
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             seeded = ["--seed", str(seed), *common]
@@ -115,22 +104,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timed = os.path.join(scratch, f"timed-{seed}-{len(extra)}.csv")
                 isolated(plans.main, ["--chosen-only", "--suites", "sweep", *seeded,
                                       "--cases", moved, "--csv", timed, *extra])
-                rows += [{"seed": str(seed), "arm": arm, **row} for row in _read(timed)]
-    fields = ["seed", "arm", *plans.FIELDS]
-    with open(args.csv, "w", newline="") as file:
+                arms[arm] += [{"seed": str(seed), **row} for row in _read(timed)]
+    root, ext = os.path.splitext(args.csv)
+    paths = {arm: f"{root}-{arm.lstrip('-')}{ext or '.csv'}" for arm in arms}
+    _write(args.csv, ["seed", "arm", *plans.FIELDS],
+           [{"arm": arm, **row} for arm, rows in arms.items() for row in rows])
+    for arm, rows in arms.items():
+        _write(paths[arm], ["seed", *plans.FIELDS], rows)
+    print(f"{sum(map(len, arms.values()))} rows written to {args.csv}, each arm's to "
+          f"{paths[flag]} and {paths['default']}")
+    print(compare.compare(paths[flag], paths["default"]))
+    return 0
+
+
+def _write(path: str, fields: list[str], rows: list[dict[str, str]]) -> None:
+    with open(path, "w", newline="") as file:
         writer = csv.DictWriter(file, fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    ratios = speedups(rows, flag)
-    if not ratios:
-        print(f"{len(rows)} rows written to {args.csv}; no case timed on both arms")
-        return 0
-    geomean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
-    low, case = min(ratios)
-    print(f"{len(rows)} rows written to {args.csv}. {len(ratios)} cases on both arms: the "
-          f"default arm {geomean:.3f}x as fast as {flag}'s in geomean, faster on "
-          f"{sum(r > 1 for r, _ in ratios)}; lowest {low:.3f}x ({case})")
-    return 0
 
 
 if __name__ == "__main__":
