@@ -144,6 +144,57 @@ def test_direct_launches_repeat_the_jit_launch(recorder, device, bias):
     _expect_direct_launches_repeat_the_jit(recorder, 3, {"a_ptr": a, "b_ptr": b, "bias_ptr": c})
 
 
+def test_plain_eager_grad_tells_plain_calls_and_their_gradients():
+    """None for calls a PyTorch subsystem must see (tensor subclasses, torch_dispatch and
+    torch_function modes, functorch transforms), else whether autograd records the call."""
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    w = torch.ones(2, 2, requires_grad=True)
+    assert launcher.plain_eager_grad(a, b, None) is False
+    assert launcher.plain_eager_grad(a, w, None) is True
+    assert launcher.plain_eager_grad(a, None, torch.nn.Parameter(torch.ones(2))) is True
+    with torch.no_grad():
+        assert launcher.plain_eager_grad(a, w) is False
+    assert launcher.plain_eager_grad(a, w.detach()) is False
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert launcher.plain_eager_grad(a, b.as_subclass(Sub)) is None
+    with torch.overrides.TorchFunctionMode():
+        assert launcher.plain_eager_grad(a, b) is None
+    with torch.utils._python_dispatch.TorchDispatchMode():
+        assert launcher.plain_eager_grad(a, b) is None
+    seen = []
+    torch.func.vmap(lambda x: seen.append(launcher.plain_eager_grad(x, b)) or x)(a)
+    assert seen == [None]
+    assert launcher.plain_eager(a, b) and not launcher.plain_eager(a.as_subclass(Sub))
+
+
+def test_only_lone_plain_launches_take_the_short_path(recorder, device, monkeypatch):
+    """run_kept's shortest path (``_DirectLaunches.single``) serves a launch that is all its
+    call makes, and no launch that needs more: a split's reduction and workspace, a
+    transposed plan's swapped operands."""
+    a = randn((3, 64), torch.float16, device)
+    b = randn((48, 64), torch.float16, device).t()
+
+    def kept_direct() -> launcher._DirectLaunches:
+        (entry,) = launcher._EAGER_LAUNCHES.values()
+        launcher._EAGER_LAUNCHES.clear()
+        return entry.prepared.compiled[-1][0]
+
+    for _ in range(2):
+        tg.mm(a, b)
+    direct = kept_direct()
+    assert direct.single is direct.gemm[0] and direct.reduce is None
+    plan_mm = mm_module.plan_mm
+    for change in (dict(split_k=4), dict(swap_ab=True)):
+        monkeypatch.setattr(mm_module, "plan_mm", lambda *args, change=change: (
+            dataclasses.replace(plan_mm(*args), **change)))
+        for _ in range(2):
+            tg.mm(a, b)
+        assert kept_direct().single is None, change
+
+
 def test_direct_launches_repeat_split_k_and_its_reduction(recorder, device, monkeypatch):
     plan_mm = mm_module.plan_mm
     monkeypatch.setattr(mm_module, "plan_mm", lambda *args: dataclasses.replace(

@@ -50,7 +50,7 @@ from .grouped_launch import (
     prepare_grouped_launch,
     run_grouped_launch,
 )
-from .launcher import memoised_eager_call, needs_grad, plain_eager, tensor_key
+from .launcher import memoised_eager_call, plain_eager_grad, tensor_key
 
 OP = "tgemm::grouped_mm"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -266,8 +266,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = Non
         >>> y = tg.grouped_mm(x, w.transpose(-2, -1), offs)   # [1000, 2048]
     """
     try:
-        if plain_eager(a, b, offs, bias):
-            if needs_grad(a, b, bias):
+        grad = plain_eager_grad(a, b, offs, bias)  # (offs, integers, needs none)
+        if grad is not None:
+            if grad:
                 return _eager_grouped_mm_with_grad(a, b, offs, bias, out_dtype, zero_tail)
             return _grouped_mm_eager(a, b, offs, bias, out_dtype, zero_tail)
         return torch.ops.tgemm.grouped_mm(a, b, offs, bias, out_dtype, zero_tail)

@@ -651,6 +651,15 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
     small GEMM is mostly this path's."""
     device = _current_device() if not _INTERPRETED else None
     direct = prepared.compiled[-1].get(device)
+    if direct is not None and direct.single is not None and not _launch_hooks_set():
+        # One launch and nothing else (most small GEMMs): the general path below, without
+        # the checks and buffers that such a launch cannot need.
+        launch, function, head, grid_0, grid_1, grid_2, rest = direct.single
+        launch(grid_0, grid_1, grid_2, _current_stream(device), function, *head, a.data_ptr(),
+               b.data_ptr(), out.data_ptr(), None if bias is None else bias.data_ptr(), None,
+               None, None if scale_a is None else scale_a.data_ptr(),
+               None if scale_b is None else scale_b.data_ptr(), *rest)
+        return
     # Launches of the kernels that build TMA descriptors (the persistent TMA kernel's, the
     # warp-specialized one's) go through run_launch in CUDA graph captures (which launch
     # their host-descriptor variants where loaded) and while that variant has work left
@@ -668,7 +677,7 @@ def run_kept(prepared: PreparedLaunch, a: torch.Tensor, b: torch.Tensor,
                 direct.tma_host[0] = graph_descriptors.GENERATION
             prepared.compiled[-1][device] = direct
         return
-    gemm, reduce, workspace_shape, locks_shape, tma, scratch, _ = direct
+    gemm, reduce, workspace_shape, locks_shape, tma, scratch, _, _ = direct
     workspace = locks = None
     if workspace_shape is not None:
         workspace = split_workspace(workspace_shape, a.device, False)
@@ -727,6 +736,10 @@ class _DirectLaunches(NamedTuple):
     # Of a kernel graph_descriptors supports: [the graph_descriptors.GENERATION at which its
     # host-descriptor variants were last found settled, or -1]; None for other kernels.
     tma_host: list[int] | None
+    # The one launch, where it is all the call makes: no reduction, workspace, counters,
+    # padded copies, transposed operands, TMA descriptors or scratch (run_kept's shortest
+    # path); None otherwise.
+    single: DirectLaunch | None = None
 
 
 def _run_direct(launches: tuple[DirectLaunch, ...], stream: int,
@@ -810,10 +823,16 @@ def _direct_launches(prepared: PreparedLaunch, device: int) -> _DirectLaunches |
     sizes = [size for _, size in launches]
     gemm = tuple(launch for launch, _ in launches[:len(prepared.launches)])
     reduce = launches[-1][0] if prepared.reduce is not None else None
-    return _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
-                           _builds_descriptors(prepared) and None in sizes,
-                           max((size or 0 for size in sizes), default=0),
-                           [-1] if graph_descriptors.supports(prepared.kernel) else None)
+    direct = _DirectLaunches(gemm, reduce, prepared.workspace_shape, prepared.locks_shape,
+                             _builds_descriptors(prepared) and None in sizes,
+                             max((size or 0 for size in sizes), default=0),
+                             [-1] if graph_descriptors.supports(prepared.kernel) else None)
+    plain = (len(gemm) == 1 and reduce is None and direct.workspace_shape is None
+             and direct.locks_shape is None and prepared.counters_shape is None
+             and prepared.pads is None and not direct.tma and not direct.scratch
+             and direct.tma_host is None
+             and not (prepared.plan is not None and prepared.plan.swap_ab))
+    return direct._replace(single=gemm[0]) if plain else direct
 
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
@@ -823,24 +842,32 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+_grad_enabled = torch._C.is_grad_enabled
+
+
 def plain_eager(*tensors: torch.Tensor | None) -> bool:
     """True for a call no PyTorch subsystem needs to see as an op: no tracing, compile, modes or
     tensor subclasses. Such calls skip the dispatcher (autograd still applies, through the op's
     eager autograd function: ``eager_autograd_apply`` in ops/_registry.py), whose Python
     custom-op path costs more host time than a small GEMM takes on the GPU."""
+    return plain_eager_grad(*tensors) is not None
+
+
+def plain_eager_grad(*tensors: torch.Tensor | None) -> bool | None:
+    """None where a call on ``tensors`` is not plain eager (``plain_eager``), else whether
+    autograd must record it (grad mode on and a tensor requiring gradients; None entries are
+    skipped): both in one pass over the tensors, as the ops' eager entry points ask them of
+    every call. (Reading requires_grad costs less than torch._C._any_requires_grad's argument
+    parsing.)"""
     # is_compiling first: TorchDynamo, tracing this, folds it and traces no further.
     if (torch.compiler.is_compiling() or _len_dispatch_stack() or _function_mode_enabled()
             or _functorch_active()):
-        return False
+        return None
+    grad = False
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TYPES or _functorch_wrapped(t)):
-            return False
-    return True
+        if t is not None:
+            if type(t) not in _PLAIN_TYPES or _functorch_wrapped(t):
+                return None
+            grad = grad or t.requires_grad
+    return grad and _grad_enabled()
 
-
-_any_requires_grad = torch._C._any_requires_grad
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd must record a call on these tensors (None entries are skipped)."""
-    return torch.is_grad_enabled() and _any_requires_grad(*tensors)

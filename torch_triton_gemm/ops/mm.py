@@ -45,8 +45,7 @@ from .launcher import (
     eager_or_capture,
     kept,
     memoised_eager_call,
-    needs_grad,
-    plain_eager,
+    plain_eager_grad,
     prepare_launch,
     run_kept,
     run_launch,
@@ -129,11 +128,13 @@ def mm_eager_signature(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | No
                        activation: str, out_dtype: torch.dtype | None) -> tuple[Any, ...]:
     """The memo key of a plain eager call (see memoised_eager_call): a's and b's parts of
     ``tensor_key`` in one flat tuple (cheaper to build and hash than nested ones), then the
-    other arguments."""
-    return (a.shape, b.shape, a.stride(), b.stride(), a.dtype, b.dtype, a.device, b.device,
+    other arguments; the float32 matmul precision only for float32 inputs, the only ones it
+    changes (``checks.input_precision``)."""
+    dtype = a.dtype
+    return (a.shape, b.shape, a.stride(), b.stride(), dtype, b.dtype, a.device, b.device,
             a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0,
             None if bias is None else tensor_key(bias), activation, out_dtype,
-            float32_precision(), plan_cache.TUNED.version)
+            float32_precision() if dtype is torch.float32 else None, plan_cache.TUNED.version)
 
 
 def mm_eager_call(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -309,8 +310,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         >>> y = tg.mm(x, w.t(), activation="gelu")   # [64, 256]
     """
     try:
-        if plain_eager(a, b, bias):
-            if needs_grad(a, b, bias):
+        grad = plain_eager_grad(a, b, bias)
+        if grad is not None:
+            if grad:
                 return _eager_mm_with_grad(a, b, bias, activation, out_dtype)
             return mm_eager_call(a, b, bias, activation, out_dtype)
         return torch.ops.tgemm.mm(a, b, bias, activation, out_dtype)

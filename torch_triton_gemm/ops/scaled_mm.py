@@ -66,8 +66,7 @@ from .launcher import (
     launch_kernel,
     launch_mm,
     memoised_eager_call,
-    needs_grad,
-    plain_eager,
+    plain_eager_grad,
     prepare_launch,
     run_kept,
     tensor_key,
@@ -496,8 +495,9 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
         >>> y = tg.scaled_mm(xq, wq, xs, ws)               # [64, 512] bfloat16
     """
     try:
-        if plain_eager(a, b, scale_a, scale_b, bias):
-            if not needs_grad(a, b, scale_a, scale_b, bias):
+        grad = plain_eager_grad(a, b, scale_a, scale_b, bias)
+        if grad is not None:
+            if not grad:
                 return _scaled_mm_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum)
             _check_no_quantized_grads(a, b, scale_a, scale_b)  # bias alone may need gradients
         elif torch.is_grad_enabled():
