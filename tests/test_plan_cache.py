@@ -322,7 +322,7 @@ def test_the_planner_takes_tuned_plans_and_survives_a_corrupt_file(cache_dir, fr
     path.write_text(path.read_text()[:-1])
     # A new process meets the damaged file.
     plan_cache.TUNED = plan_cache.TunedPlans()
-    planner._PLANS.clear()
+    planner.forget_plans()
     assert _plan_of(a, b) == _heuristic(a, b)
     assert len(_cache_warnings(recwarn, path)) == 1
 

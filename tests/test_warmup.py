@@ -115,7 +115,7 @@ def test_a_product_is_planned_as_eager_calls_plan_it_without_tuning(monkeypatch)
         eager = planner.plan_mm(spec.a, spec.b, None, spec.out(), "none", False)
         traced = planner.plan_mm(spec.a, spec.b, None, spec.out(), "none", True)
         assert tuning.warp_specialized(eager) and not tuning.warp_specialized(traced)
-        planner._PLANS.clear()
+        planner.forget_plans()
         monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
 
         def no_tuning(*args):  # type: ignore[no-untyped-def]

@@ -49,7 +49,7 @@ def isolated(entry: Callable[[list[str]], int], argv: list[str]) -> bool:
     the eager calls' memos (keyed without those constants) emptied before and after. Whether
     it ran to the end (a failure is printed; the A/B goes on with the other seeds)."""
     saved = [(module, name, getattr(module, name)) for _, module, name, _, _ in plans.RULE_FLAGS]
-    planner._PLANS.clear()
+    planner.forget_plans()
     launcher.forget_eager_calls()
     try:
         return entry(argv) == 0
@@ -61,7 +61,7 @@ def isolated(entry: Callable[[list[str]], int], argv: list[str]) -> bool:
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
-        planner._PLANS.clear()
+        planner.forget_plans()
         launcher.forget_eager_calls()
 
 

@@ -256,3 +256,10 @@ def _plan(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, activatio
 
 _PLANS: dict[tuple[Any, ...], tuning.MMPlan] = {}
 _PLANS_LIMIT = 4096
+
+
+def forget_plans() -> None:
+    """Forget every memoised plan: the next call of each product plans it again (after a change
+    to what plans depend on but memo keys do not hold: the plan model's rule constants, a new
+    tuned-plan table object)."""
+    _PLANS.clear()
