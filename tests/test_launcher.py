@@ -174,8 +174,9 @@ def test_only_lone_plain_launches_take_the_short_path(recorder, device, monkeypa
     """run_kept's shortest path (``_DirectLaunches.single``) serves a launch that is all its
     call makes, and no launch that needs more: a split's reduction and workspace, a
     transposed plan's swapped operands."""
-    a = randn((3, 64), torch.float16, device)
-    b = randn((48, 64), torch.float16, device).t()
+    # K spans several of any plan's K steps, so that a split of 4 is not clamped to 1.
+    a = randn((3, 1024), torch.float16, device)
+    b = randn((48, 1024), torch.float16, device).t()
 
     def kept_direct() -> launcher._DirectLaunches:
         (entry,) = launcher._EAGER_LAUNCHES.values()
