@@ -752,9 +752,10 @@ FP8_NARROW_MAX_WAVES_WIDE = 2.0
 
 
 # Products of few rows (fp8 tensorwise / rowwise and 16-bit; bias-free, both operands contiguous
-# along K with SWAP_PITCH_BYTES pitches, K at least SWAP_MIN_K: the products it won on) run
-# transposed (``MMPlan.swap_ab``) where the weight's rows make SWAP_MIN_WAVES to one wave of
-# 64-row tiles (SWAP_MIN_ROWS to SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
+# along K with SWAP_PITCH_BYTES pitches, K at least SWAP_MIN_K, 16-bit ones within a wave
+# SWAP_MIN_K_WITHIN_WAVE_16BIT: the products it won on) run transposed (``MMPlan.swap_ab``)
+# where the weight's rows make SWAP_MIN_WAVES to one wave of 64-row tiles (SWAP_MIN_ROWS to
+# SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
 # (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows, 16-bit SWAP_MAX_ROWS_MULTI_WAVE_16BIT, and K a
 # multiple of SWAP_MULTI_WAVE_BLOCK_K, the K step of those tiles; on GPUs whose DRAM bandwidth
 # per SM reaches SWAP_MULTI_WAVE_MIN_GBPS_PER_SM).
@@ -768,6 +769,11 @@ SWAP_MIN_WAVES = 0.45
 SWAP_MIN_WAVES_16_ROWS = {1: 0.3, 2: 0.35}
 SWAP_MIN_MULTI_WAVES = 2.0
 SWAP_MIN_K = 2048
+# 16-bit products within a wave from this K on; below SWAP_SHALLOW_K in K steps of
+# SWAP_SHALLOW_BLOCK_K (more steps in flight through K of 256-1023).
+SWAP_MIN_K_WITHIN_WAVE_16BIT = 256
+SWAP_SHALLOW_K = 1024
+SWAP_SHALLOW_BLOCK_K = 64
 SWAP_MULTI_WAVE_BLOCK_K = 128
 # The operands' row pitches in bytes must be multiples of this (16 for fp8, 32 for 16-bit).
 SWAP_PITCH_BYTES = {1: 16, 2: 32}
@@ -821,17 +827,26 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       all three random products that had one (0.74-0.93x, seeds 2026 and 2029), so the caller
       (``planner.swap_plan``) takes 16-bit pitches that are multiples of 32 bytes
       (SWAP_PITCH_BYTES); fp8's 16-byte pitches won (1.05-1.25x, 12 products).
+    - 16-bit K under 2048 within a wave (SWAP_MIN_K_WITHIN_WAVE_16BIT; H200, every plan of 17
+      few-row products with K 256-2047, seed 2201 and seed 2168's slowest; docs/data/
+      fewrows-shortk-plans-h200.csv): the rule's tile beat the pick on all 6 it takes (K
+      448-2000: 0.62-1.01x cuBLAS picked, 0.82-1.14x transposed); below K 1024 64-deep K
+      steps (SWAP_SHALLOW_BLOCK_K) beat 128-deep on all four such products (0.69-0.97x
+      against 0.67-0.90x, 6 stages). fp8 was not measured there, so it starts at SWAP_MIN_K.
     """
+    min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K
     if (_device.interpreter_enabled() or element_size not in (1, 2)
-            or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < SWAP_MIN_K):
+            or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < min_k):
         return None
     width = 16 if m <= 16 else 32
     tiles = -(-n // 64)
     multi_wave_rows = SWAP_MAX_ROWS if element_size == 1 else SWAP_MAX_ROWS_MULTI_WAVE_16BIT
     min_waves = SWAP_MIN_WAVES_16_ROWS[element_size] if m <= 16 else SWAP_MIN_WAVES
     if min_waves * num_sms <= tiles <= num_sms:
-        tile = TileConfig(64, width, 256 // element_size, 8, 4, 6)
-    elif (tiles >= SWAP_MIN_MULTI_WAVES * num_sms and k % SWAP_MULTI_WAVE_BLOCK_K == 0
+        block_k = SWAP_SHALLOW_BLOCK_K if k < SWAP_SHALLOW_K else 256 // element_size
+        tile = TileConfig(64, width, block_k, 8, 4, 6)
+    elif (k >= SWAP_MIN_K and tiles >= SWAP_MIN_MULTI_WAVES * num_sms
+          and k % SWAP_MULTI_WAVE_BLOCK_K == 0
           and SWAP_MIN_ROWS_MULTI_WAVE <= m <= multi_wave_rows
           and dram_gbps >= SWAP_MULTI_WAVE_MIN_GBPS_PER_SM * num_sms):
         tile = TileConfig(64, width, SWAP_MULTI_WAVE_BLOCK_K, 8, 4, 4)

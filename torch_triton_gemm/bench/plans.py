@@ -408,6 +408,9 @@ RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
     ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
+    ("--swap-from-k-2048", tuning, "SWAP_MIN_K_WITHIN_WAVE_16BIT", 2048,
+     "plan as if 16-bit products of few rows ran transposed only from K 2048 (tuning."
+     "swap_plan's shallow K within a wave off)"),
     ("--no-blockwise-ws-split", tuning, "BLOCKWISE_WS_SPLIT_MIN_ROWS", 129,
      "plan as if blockwise fp8 products of 65-128 rows never took the warp-specialized "
      "kernel's K splits (tuning._blockwise_ws_split_plan off)"),
