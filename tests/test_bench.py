@@ -2030,7 +2030,7 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     stand-in that records its arguments and times the flag's arm, on copies, 1.25x the
     default's), into one CSV with seed and arm and one per arm, reported by bench.compare; the
     rule constants and memos as they were; a seed that moves nothing is skipped; exactly one
-    rule flag is taken."""
+    rule flag is taken, and only a plan model's."""
     from torch_triton_gemm import plan_model
     from torch_triton_gemm.bench import ab, plans
 
@@ -2073,3 +2073,6 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     assert ab.seeds_of("3000-3002,3005") == [3000, 3001, 3002, 3005]
     with pytest.raises(SystemExit):
         ab.main(["--seeds", "3003", "--csv", out])
+    with pytest.raises(SystemExit):  # a rule outside the plan model moves no pick
+        ab.main(["--swap-from-k-2048", "--seeds", "3003", "--csv", out])
+    assert "not a plan model rule" in capsys.readouterr().err

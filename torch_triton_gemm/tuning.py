@@ -829,10 +829,13 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       (SWAP_PITCH_BYTES); fp8's 16-byte pitches won (1.05-1.25x, 12 products).
     - 16-bit K under 2048 within a wave (SWAP_MIN_K_WITHIN_WAVE_16BIT; H200, every plan of 17
       few-row products with K 256-2047, seed 2201 and seed 2168's slowest; docs/data/
-      fewrows-shortk-plans-h200.csv): the rule's tile beat the pick on all 6 it takes (K
-      448-2000: 0.62-1.01x cuBLAS picked, 0.82-1.14x transposed); below K 1024 64-deep K
-      steps (SWAP_SHALLOW_BLOCK_K) beat 128-deep on all four such products (0.69-0.97x
-      against 0.67-0.90x, 6 stages). fp8 was not measured there, so it starts at SWAP_MIN_K.
+      fewrows-shortk-plans-h200-2547e5e.csv): the rule's tile beat the pick on all 6 it
+      takes (K 448-2000: 0.62-1.01x cuBLAS picked, 0.82-1.14x transposed); below K 1024
+      64-deep K steps (SWAP_SHALLOW_BLOCK_K) beat 128-deep on all four such products
+      (0.69-0.97x against 0.67-0.90x, 6 stages). Held out (seed 2202, 24 products it moves,
+      M 3-31, K 288-1744; rule on and off twice each, alternating; docs/data/
+      swap-shallow-k-ab-h200-seed2202-48142d8.csv): 1.21x geomean, 23 faster (up to 1.37x),
+      18 x 6320 x 1392 0.96x. fp8 was not measured there, so it starts at SWAP_MIN_K.
     """
     min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K
     if (_device.interpreter_enabled() or element_size not in (1, 2)

@@ -5,13 +5,14 @@ bench.compare's report of the two arms.
 
     python -m torch_triton_gemm.bench.ab --portable-copies --seeds 3000-3007 --csv ab.csv
 
-The flag is one of bench.plans' rule flags: its arm plans as the flag says, the other
-("default") as the planner does. ``--csv ab.csv`` gets both arms' rows with ``seed`` and
-``arm`` columns; ``ab-portable-copies.csv`` and ``ab-default.csv`` each arm's, as
-bench.plans writes them (with ``seed``), for ``python -m torch_triton_gemm.bench.compare``.
-The report's speed-up is the flag's arm's time over the default's (above 1: the default
-faster). One process for every seed saves a start and the compile of kernels the seeds share
-(about 10 s a seed on an H200's host).
+The flag is one of bench.plans' rule flags of the plan model (bench.picks models no other
+rule: time those with bench.plans --chosen-only on both arms): its arm plans as the flag
+says, the other ("default") as the planner does. ``--csv ab.csv`` gets both arms' rows
+with ``seed`` and ``arm`` columns; ``ab-portable-copies.csv`` and ``ab-default.csv`` each
+arm's, as bench.plans writes them (with ``seed``), for ``python -m
+torch_triton_gemm.bench.compare``. The report's speed-up is the flag's arm's time over the
+default's (above 1: the default faster). One process for every seed saves a start and the
+compile of kernels the seeds share (about 10 s a seed on an H200's host).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
+from .. import plan_model
 from ..ops import launcher, planner
 from . import compare, picks, plans
 
@@ -87,6 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(chosen) != 1:
         parser.error(f"give one rule flag, not {len(chosen)}")
     flag = chosen[0]
+    module = next(module for name, module, *_ in plans.RULE_FLAGS if name == flag)
+    if module is not plan_model:
+        # bench.picks lists the plan model's picks only: this rule would move none.
+        parser.error(f"{flag} is not a plan model rule, so bench.picks moves no case with it: "
+                     f"time its arms with python -m torch_triton_gemm.bench.plans "
+                     f"--chosen-only [{flag}] --shapes ...")
     common = ["--count", str(args.count), "--dtypes", args.dtypes]
     arms: dict[str, list[dict[str, str]]] = {flag: [], "default": []}
     with tempfile.TemporaryDirectory() as scratch:
