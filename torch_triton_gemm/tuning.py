@@ -835,7 +835,11 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       (0.69-0.97x against 0.67-0.90x, 6 stages). Held out (seed 2202, 24 products it moves,
       M 3-31, K 288-1744; rule on and off twice each, alternating; docs/data/
       swap-shallow-k-ab-h200-seed2202-48142d8.csv): 1.21x geomean, 23 faster (up to 1.37x),
-      18 x 6320 x 1392 0.96x. fp8 was not measured there, so it starts at SWAP_MIN_K.
+      18 x 6320 x 1392 0.96x. Real models' decode projections it moves (GPT-2 S to XL,
+      BERT-L, Qwen3-0.6B: 44 products of 2-32 rows, K 768-1600, bf16 and fp16, same run,
+      docs/data/swap-shallow-k-ab-h200-models-ed342c0.csv): 1.20x geomean, 87 of 88 faster,
+      worst 0.998x; against cuBLAS 0.86x -> 1.03x geomean, the slowest 0.69x -> 0.85x. fp8
+      was not measured there, so it starts at SWAP_MIN_K.
     """
     min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K
     if (_device.interpreter_enabled() or element_size not in (1, 2)
