@@ -731,9 +731,11 @@ def test_gpu_decode_products_run_transposed(dtype, monkeypatch):
     tokens and the backward's products, against float64; with a bias it is not transposed."""
     # 96 tiles of 64 weight rows (one wave); 65 tiles, the last ragged, 32-wide, a K tail;
     # 448 tiles (3.4 waves: transposed on every GPU here, not only where the bandwidth per SM
-    # takes them, so that their tiles run on any GPU).
+    # takes them, so that their tiles run on any GPU); K under 2048 in 64-deep steps with a
+    # K tail (96 and 64 tiles) and 128-deep ones with a tail (48 tiles).
     monkeypatch.setattr(tuning, "SWAP_MULTI_WAVE_MIN_GBPS_PER_SM", 0.0)
-    for m, n, k in ((2, 6144, 4096), (24, 4112, 2064), (8, 28672, 4096)):
+    for m, n, k in ((2, 6144, 4096), (24, 4112, 2064), (8, 28672, 4096), (16, 6144, 1008),
+                    (20, 4096, 784), (8, 3072, 1296)):
         x = randn((m, k), dtype, "cuda").requires_grad_()
         w = randn((n, k), dtype, "cuda").requires_grad_()
         out = torch.empty(m, n, device="cuda", dtype=dtype)
