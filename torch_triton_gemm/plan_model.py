@@ -358,6 +358,32 @@ def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
 SINGLE_ROUND_LAUNCH = {"tma": 0.8}
 
 
+# A TMA launch of a product of at most FEW_ROWS_TMA_MAX_ROWS rows and at least
+# FEW_ROWS_TMA_MIN_COLUMNS columns costs FEW_ROWS_TMA_CREDIT_US less than its fitted constant
+# (few_rows_tma_credit).
+FEW_ROWS_TMA_MAX_ROWS = 32
+FEW_ROWS_TMA_MIN_COLUMNS = 1024
+FEW_ROWS_TMA_CREDIT_US = 2.0
+
+
+def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int) -> float:
+    """What to take off the fitted launch of ``plan`` on a product of ``m`` x ``n``, in
+    microseconds: FEW_ROWS_TMA_CREDIT_US for the TMA kernel at most FEW_ROWS_TMA_MAX_ROWS rows
+    and FEW_ROWS_TMA_MIN_COLUMNS columns or more (the products measured: 1600-16384 columns;
+    smaller ones are bound by the launch, where TMA's is the dearer), else nothing.
+
+    The constants were fitted on an H100 whose TMA kernel built its descriptors on the device
+    in every launch; on H200s, with CUDA-graph replays launching host-built ones, the same tile
+    of 16-32 rows ran faster on the TMA kernel than on the portable one in 79% of 38 pairs
+    (docs/data/fewrows-shortk-plans-h200-2547e5e.csv; 60% of few-rows-plans-h200.csv's),
+    which the constants predicted in 3% (5%): they over-charged TMA against the portable
+    kernel by a median 1.7 us (2.0). Taking 2 us off, the picks among the timed plans of
+    those 22 products went from 0.87x to 0.96x of the fastest in geomean."""
+    if plan.kernel == "tma" and m <= FEW_ROWS_TMA_MAX_ROWS and n >= FEW_ROWS_TMA_MIN_COLUMNS:
+        return FEW_ROWS_TMA_CREDIT_US
+    return 0.0
+
+
 def single_round(work: Work) -> bool:
     """Whether every program of ``work`` finishes at most one tile, unsplit: no second round,
     reduction or fix-up after it. The constants, fitted over plans of every length, charged
@@ -479,6 +505,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     launch = cost.launch_us
     if single_round(work):
         launch *= SINGLE_ROUND_LAUNCH.get(kernel, 1.0)
+    launch = max(launch - few_rows_tma_credit(plan, m, n), 0.0)
     time = launch + max(compute, bytes_moved / bandwidth)
     if work.reduce:
         time += costs.launch_us["reduce"] + tail_reduction_us(plan, m, n, k, out_size, machine)
