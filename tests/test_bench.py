@@ -2073,6 +2073,21 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     assert ab.seeds_of("3000-3002,3005") == [3000, 3001, 3002, 3005]
     with pytest.raises(SystemExit):
         ab.main(["--seeds", "3003", "--csv", out])
+    # A run cut short (here in its second seed's first timing) keeps the seeds it finished.
+    cut = str(tmp_path / "cut.csv")
+    calls.clear()
+
+    def interrupted(argv: list[str]) -> int:
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return timed_plans(argv)
+
+    monkeypatch.setattr(plans, "main", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ab.main(["--portable-copies", "--seeds", "3003,3003", "--csv", cut])
+    with open(cut, newline="") as file:
+        kept = list(csv.DictReader(file))
+    assert len(kept) == 2 * len(names) and {r["name"] for r in kept} == names
     with pytest.raises(SystemExit):  # a rule outside the plan model moves no pick
         ab.main(["--swap-from-k-2048", "--seeds", "3003", "--csv", out])
     assert "not a plan model rule" in capsys.readouterr().err

@@ -12,7 +12,10 @@ with ``seed`` and ``arm`` columns; ``ab-portable-copies.csv`` and ``ab-default.c
 arm's, as bench.plans writes them (with ``seed``), for ``python -m
 torch_triton_gemm.bench.compare``. The report's speed-up is the flag's arm's time over the
 default's (above 1: the default faster). One process for every seed saves a start and the
-compile of kernels the seeds share (about 10 s a seed on an H200's host).
+compile of kernels the seeds share (about 10 s a seed on an H200's host); each seed's rows
+are written as soon as both its arms are timed, so a run cut short keeps the seeds it
+finished. Each arm's timing starts a pool of compile processes: about 30 s an arm, a minute
+a seed, on a fresh H200 machine, however few its cases.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"--chosen-only [{flag}] --shapes ...")
     common = ["--count", str(args.count), "--dtypes", args.dtypes]
     arms: dict[str, list[dict[str, str]]] = {flag: [], "default": []}
+    root, ext = os.path.splitext(args.csv)
+    paths = {arm: f"{root}-{arm.lstrip('-')}{ext or '.csv'}" for arm in arms}
+    _write_arms(args.csv, paths, arms)
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             seeded = ["--seed", str(seed), *common]
@@ -113,16 +119,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 isolated(plans.main, ["--chosen-only", "--suites", "sweep", *seeded,
                                       "--cases", moved, "--csv", timed, *extra])
                 arms[arm] += [{"seed": str(seed), **row} for row in _read(timed)]
-    root, ext = os.path.splitext(args.csv)
-    paths = {arm: f"{root}-{arm.lstrip('-')}{ext or '.csv'}" for arm in arms}
-    _write(args.csv, ["seed", "arm", *plans.FIELDS],
-           [{"arm": arm, **row} for arm, rows in arms.items() for row in rows])
-    for arm, rows in arms.items():
-        _write(paths[arm], ["seed", *plans.FIELDS], rows)
+            # Each seed's rows as soon as both arms are timed: a run cut short keeps them.
+            _write_arms(args.csv, paths, arms)
     print(f"{sum(map(len, arms.values()))} rows written to {args.csv}, each arm's to "
           f"{paths[flag]} and {paths['default']}")
     print(compare.compare(paths[flag], paths["default"]))
     return 0
+
+
+def _write_arms(path: str, paths: dict[str, str], arms: dict[str, list[dict[str, str]]]
+                ) -> None:
+    """Both arms' rows into ``path`` (with ``arm``), each arm's into its own of ``paths``."""
+    _write(path, ["seed", "arm", *plans.FIELDS],
+           [{"arm": arm, **row} for arm, rows in arms.items() for row in rows])
+    for arm, rows in arms.items():
+        _write(paths[arm], ["seed", *plans.FIELDS], rows)
 
 
 def _write(path: str, fields: list[str], rows: list[dict[str, str]]) -> None:

@@ -408,9 +408,10 @@ RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
     ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
-    ("--no-few-rows-tma-credit", plan_model, "FEW_ROWS_TMA_CREDIT_US", 0.0,
-     "plan as if TMA launches of products of few rows cost their fitted constants "
-     "(plan_model.few_rows_tma_credit off)"),
+    ("--few-rows-tma-credit", plan_model, "FEW_ROWS_TMA_CREDIT_US",
+     plan_model.FEW_ROWS_TMA_CREDIT_FITTED_US,
+     "plan as if TMA launches of products of few rows against wide weights cost less than "
+     "their fitted constants (plan_model.few_rows_tma_credit on)"),
     ("--swap-from-k-2048", tuning, "SWAP_MIN_K_WITHIN_WAVE_16BIT", 2048,
      "plan as if 16-bit products of few rows ran transposed only from K 2048 (tuning."
      "swap_plan's shallow K within a wave off)"),
