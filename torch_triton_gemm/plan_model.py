@@ -358,32 +358,39 @@ def l2_us(plan: tuning.MMPlan, m: int, n: int, k: int, element_size: int,
 SINGLE_ROUND_LAUNCH = {"tma": 0.8}
 
 
-# A TMA launch of a product of at most FEW_ROWS_TMA_MAX_ROWS rows and at least
-# FEW_ROWS_TMA_MIN_COLUMNS columns costs FEW_ROWS_TMA_CREDIT_US less than its fitted constant
-# (few_rows_tma_credit). Off (0) until a held-out A/B times the picks it moves:
-# bench.plans / bench.ab --few-rows-tma-credit plan with FEW_ROWS_TMA_CREDIT_FITTED_US.
+# A TMA launch of a product of at most FEW_ROWS_TMA_MAX_ROWS rows, at least
+# FEW_ROWS_TMA_MIN_COLUMNS columns and FEW_ROWS_TMA_MIN_K deep, unsplit, costs
+# FEW_ROWS_TMA_CREDIT_US less than its fitted constant (few_rows_tma_credit). Off (0) until a
+# held-out A/B times the picks it moves: bench.plans / bench.ab --few-rows-tma-credit plan
+# with FEW_ROWS_TMA_CREDIT_FITTED_US.
 FEW_ROWS_TMA_MAX_ROWS = 32
 FEW_ROWS_TMA_MIN_COLUMNS = 1024
+FEW_ROWS_TMA_MIN_K = 1024
 FEW_ROWS_TMA_CREDIT_FITTED_US = 2.0
 FEW_ROWS_TMA_CREDIT_US = 0.0
 
 
-def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int) -> float:
-    """What to take off the fitted launch of ``plan`` on a product of ``m`` x ``n``, in
-    microseconds: FEW_ROWS_TMA_CREDIT_US for the TMA kernel at most FEW_ROWS_TMA_MAX_ROWS rows
-    and FEW_ROWS_TMA_MIN_COLUMNS columns or more (the products measured: 1600-16384 columns;
-    smaller ones are bound by the launch, where TMA's is the dearer), else nothing.
+def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
+    """What to take off the fitted launch of ``plan`` on an ``m`` x ``n`` x ``k`` product, in
+    microseconds: FEW_ROWS_TMA_CREDIT_US for the TMA kernel, unsplit, at most
+    FEW_ROWS_TMA_MAX_ROWS rows, FEW_ROWS_TMA_MIN_COLUMNS columns or more and K at least
+    FEW_ROWS_TMA_MIN_K, else nothing.
 
     The constants were fitted on an H100 whose TMA kernel built its descriptors on the device
     in every launch; on H200s, with CUDA-graph replays launching host-built ones, the same tile
     of 16-32 rows ran faster on the TMA kernel than on the portable one in 79% of 38 pairs
     (docs/data/fewrows-shortk-plans-h200-2547e5e.csv; 60% of few-rows-plans-h200.csv's),
     which the constants predicted in 3% (5%): they over-charged TMA against the portable
-    kernel by a median 1.7 us (2.0). Taking 2 us off (FEW_ROWS_TMA_CREDIT_FITTED_US), the
-    picks among the timed plans of those 22 products went from 0.87x to 0.96x of the fastest
-    in geomean. It moves 135 bf16 picks of the 4800 on sweep seeds 3000-3011 (bench.picks):
-    not yet timed, so off."""
-    if plan.kernel == "tma" and m <= FEW_ROWS_TMA_MAX_ROWS and n >= FEW_ROWS_TMA_MIN_COLUMNS:
+    kernel by a median 1.7 us (2.0). Taking 2 us off (FEW_ROWS_TMA_CREDIT_FITTED_US) at every
+    K and split, the picks among the timed plans of those 22 products went from 0.87x to 0.96x
+    of the fastest in geomean, but on sweep seeds 3000-3011 (H200, same run, docs/data/
+    fewrows-tma-credit-ab-h200-seeds3000-3011-0573ddc.csv) the 119 picks it moved ran 0.90x:
+    below K 1024 (3 us launches, where TMA's start is dearer) 0.64-1.2x, mostly slower; split
+    in K 0.73-1.12x; unsplit from K 1024 1.14x geomean (14 picks, 11 of 14 faster, 1.47x at
+    6 x 9152 x 1600, worst 0.885x), hence the bounds. Those bounds are read off that set."""
+    if (plan.kernel == "tma" and plan.split_k == 1 and not plan.stream_k
+            and m <= FEW_ROWS_TMA_MAX_ROWS
+            and n >= FEW_ROWS_TMA_MIN_COLUMNS and k >= FEW_ROWS_TMA_MIN_K):
         return FEW_ROWS_TMA_CREDIT_US
     return 0.0
 
@@ -509,7 +516,7 @@ def predict_us(costs: Costs, plan: tuning.MMPlan, m: int, n: int, k: int, elemen
     launch = cost.launch_us
     if single_round(work):
         launch *= SINGLE_ROUND_LAUNCH.get(kernel, 1.0)
-    launch = max(launch - few_rows_tma_credit(plan, m, n), 0.0)
+    launch = max(launch - few_rows_tma_credit(plan, m, n, k), 0.0)
     time = launch + max(compute, bytes_moved / bandwidth)
     if work.reduce:
         time += costs.launch_us["reduce"] + tail_reduction_us(plan, m, n, k, out_size, machine)

@@ -752,8 +752,8 @@ FP8_NARROW_MAX_WAVES_WIDE = 2.0
 
 
 # Products of few rows (fp8 tensorwise / rowwise and 16-bit; bias-free, both operands contiguous
-# along K with SWAP_PITCH_BYTES pitches, K at least SWAP_MIN_K, 16-bit ones within a wave
-# SWAP_MIN_K_WITHIN_WAVE_16BIT: the products it won on) run transposed (``MMPlan.swap_ab``)
+# along K with SWAP_PITCH_BYTES pitches, K at least SWAP_MIN_K, within a wave
+# SWAP_MIN_K_WITHIN_WAVE_16BIT / _FP8: the products it won on) run transposed (``MMPlan.swap_ab``)
 # where the weight's rows make SWAP_MIN_WAVES to one wave of 64-row tiles (SWAP_MIN_ROWS to
 # SWAP_MAX_ROWS rows), or SWAP_MIN_MULTI_WAVES waves and more
 # (SWAP_MIN_ROWS_MULTI_WAVE to SWAP_MAX_ROWS rows, 16-bit SWAP_MAX_ROWS_MULTI_WAVE_16BIT, and K a
@@ -772,6 +772,10 @@ SWAP_MIN_K = 2048
 # 16-bit products within a wave from this K on; below SWAP_SHALLOW_K in K steps of
 # SWAP_SHALLOW_BLOCK_K (more steps in flight through K of 256-1023).
 SWAP_MIN_K_WITHIN_WAVE_16BIT = 256
+# fp8 products within a wave from this K on (SWAP_MIN_K until a held-out A/B times
+# SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED: bench.plans --fp8-swap-from-k-1024).
+SWAP_MIN_K_WITHIN_WAVE_FP8 = 2048
+SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED = 1024
 SWAP_SHALLOW_K = 1024
 SWAP_SHALLOW_BLOCK_K = 64
 SWAP_MULTI_WAVE_BLOCK_K = 128
@@ -838,10 +842,15 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       18 x 6320 x 1392 0.96x. Real models' decode projections it moves (GPT-2 S to XL,
       BERT-L, Qwen3-0.6B: 44 products of 2-32 rows, K 768-1600, bf16 and fp16, same run,
       docs/data/swap-shallow-k-ab-h200-models-ed342c0.csv): 1.20x geomean, 87 of 88 faster,
-      worst 0.998x; against cuBLAS 0.86x -> 1.03x geomean, the slowest 0.69x -> 0.85x. fp8
-      was not measured there, so it starts at SWAP_MIN_K.
+      worst 0.998x; against cuBLAS 0.86x -> 1.03x geomean, the slowest 0.69x -> 0.85x.
+    - fp8 K 1024-2047 within a wave (SWAP_MIN_K_WITHIN_WAVE_FP8; H200, every plan of GPT-2 M /
+      L and Qwen3-0.6B decode projections at 4, 16 and 32 rows, rowwise, docs/data/
+      fp8-shortk-plans-h200-0573ddc.csv): the rule's tile against the pick 1.065x geomean on
+      the 11 it would take (4 rows 1.11-1.15x on all four, 16 rows 0.99-1.02x, 32 rows
+      0.96-1.16x); the pick was already 1.3-2x torch._scaled_mm there. Not held out yet, so
+      fp8 starts at SWAP_MIN_K (--fp8-swap-from-k-1024 plans from K 1024).
     """
-    min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K
+    min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K_WITHIN_WAVE_FP8
     if (_device.interpreter_enabled() or element_size not in (1, 2)
             or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < min_k):
         return None
