@@ -175,10 +175,10 @@ def test_predicted_time_grows_with_the_work(h100):
 
 
 def test_tma_launches_of_few_rows_against_wide_weights_cost_less(h100, monkeypatch):
-    """plan_model.few_rows_tma_credit: an unsplit TMA plan of at most 32 rows, 1024 columns or
-    more and K 1024 or deeper is predicted FEW_ROWS_TMA_CREDIT_US faster than its constants say
-    (off by default; bench --few-rows-tma-credit sets the fitted 2 us); not the portable
-    kernel, 33 rows, 1023 columns, K 1023, nor a plan split in K or stream-K."""
+    """plan_model.few_rows_tma_credit: an unsplit TMA plan of at most 32 rows, 2048 columns or
+    more and K 1024 or deeper is predicted FEW_ROWS_TMA_CREDIT_US (2 us) faster than its
+    constants say; not the portable kernel, 33 rows, 2047 columns, K 1023, nor a plan split in
+    K or stream-K; --no-few-rows-tma-credit (0) takes nothing off."""
     tile = tuning.TileConfig(16, 64, 256, 8, 4, 4)
     tma, portable = tuning.MMPlan("tma", tile), tuning.MMPlan("portable", tile)
     split, stream = tuning.MMPlan("tma", tile, split_k=2), tuning.MMPlan("tma", tile, stream_k=2)
@@ -186,18 +186,17 @@ def test_tma_launches_of_few_rows_against_wide_weights_cost_less(h100, monkeypat
     def predicted(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
         return plan_model.predict_us(plan_model.H100_COSTS, plan, m, n, k, 2, 2)
 
-    assert plan_model.FEW_ROWS_TMA_CREDIT_US == 0.0
-    shapes = ((32, 1024, 1024), (8, 8192, 4096), (33, 1024, 1024), (32, 1023, 1024),
+    credit = plan_model.FEW_ROWS_TMA_CREDIT_US
+    assert credit == 2.0
+    shapes = ((32, 2048, 1024), (8, 8192, 4096), (33, 2048, 1024), (32, 2047, 1024),
               (8, 8192, 1023))
-    before = {(plan, shape): predicted(plan, *shape) for plan in (tma, portable, split, stream)
-              for shape in shapes}
-    credit = plan_model.FEW_ROWS_TMA_CREDIT_FITTED_US
-    monkeypatch.setattr(plan_model, "FEW_ROWS_TMA_CREDIT_US", credit)
-    for (plan, (m, n, k)), time in before.items():
-        credited = plan is tma and m <= 32 and n >= 1024 and k >= 1024
+    credited = {(plan, shape): predicted(plan, *shape) for plan in (tma, portable, split, stream)
+                for shape in shapes}
+    monkeypatch.setattr(plan_model, "FEW_ROWS_TMA_CREDIT_US", 0.0)  # --no-few-rows-tma-credit
+    for (plan, (m, n, k)), time in credited.items():
+        expected = credit if plan is tma and m <= 32 and n >= 2048 and k >= 1024 else 0.0
         # (within 1 ns: the L2 limit blends into the time of the largest)
-        assert time - predicted(plan, m, n, k) == pytest.approx(credit if credited else 0.0,
-                                                                 abs=1e-3)
+        assert predicted(plan, m, n, k) - time == pytest.approx(expected, abs=1e-3)
 
 
 def test_portable_reads_of_an_m_contiguous_a_are_costed_apart(h100):

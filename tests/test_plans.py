@@ -968,8 +968,8 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     """Tensorwise / rowwise fp8 and 16-bit products of 2-32 rows whose weight rows make 0.45
     (at most 16 rows: fp8 0.3, 16-bit 0.35) to one wave of 64-row tiles, or (4 rows and more;
     16-bit at most 16; K a multiple of 128; GPUs with an H200's bandwidth per SM, not an
-    H100's) two waves and more, K at least 2048 (16-bit within a wave 256; fp8 there 1024
-    with --fp8-swap-from-k-1024): transposed 64x16
+    H100's) two waves and more, K at least 2048 (within a wave 16-bit from 256, fp8 from 1024
+    but from 2048 at 16 rows): transposed 64x16
     tiles (64x32 above 16 rows) on the portable kernel, 256-byte K steps in 6 stages within a
     wave (64-deep below K 1024) and 128-deep in 4 from two waves (fewer stages where shared
     memory is smaller); not at one row nor at 1-2 waves, nor for fp32. Tuned plans are never
@@ -1004,7 +1004,7 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     assert swap(16, 3008, 4096, 2)[:2] == ("portable", True) and swap(16, 2944, 4096, 2) is None
     assert swap(17, 3712, 4096) is None and swap(17, 3712, 4096, 2) is None
     assert swap(17, 3840, 4096)[:4] == ("portable", True, 64, 32)
-    assert swap(16, 6144, 1024) is None  # shallow K
+    assert swap(16, 6144, 1024) is None and swap(16, 6144, 1008) is None  # shallow K
     # 16-bit within a wave from K 256: 64-deep K steps below K 1024; never from two waves.
     assert swap(16, 6144, 1024, 2) == ("portable", True, 64, 16, 128, 6, 1)
     assert swap(16, 6144, 1008, 2) == ("portable", True, 64, 16, 64, 6, 1)
@@ -1015,14 +1015,16 @@ def test_products_of_few_rows_run_transposed(monkeypatch):
     monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_16BIT", 2048)  # --swap-from-k-2048
     assert swap(16, 6144, 1024, 2) is None and swap(16, 6144, 2048, 2)[4] == 128
     monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_16BIT", shallow)
-    # fp8 within a wave from K 2048 (--fp8-swap-from-k-1024: from 1024, 256-deep K steps).
-    assert swap(16, 6144, 2047) is None and swap(4, 4096, 1024) is None
-    fitted = tuning.SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED
-    monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8", fitted)
+    # fp8 within a wave from K 1024 (256-deep K steps), below K 2048 not at 16 rows;
+    # --fp8-swap-from-k-2048 from 2048 only.
     assert swap(4, 4096, 1024) == ("portable", True, 64, 16, 256, 6, 1)
     assert swap(32, 3840, 1280) == ("portable", True, 64, 32, 256, 6, 1)
+    assert swap(15, 6144, 2047)[:2] == swap(17, 6144, 2047)[:2] == ("portable", True)
+    assert swap(16, 6144, 2047) is None and swap(16, 6144, 2048)[:2] == ("portable", True)
     assert swap(4, 4096, 1023) is None and swap(4, 28672, 1024) is None
-    monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8", tuning.SWAP_MIN_K)
+    monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8", 2048)
+    assert swap(4, 4096, 1024) is None and swap(4, 4096, 2048)[:2] == ("portable", True)
+    monkeypatch.setattr(tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8", 1024)
     assert swap(16, 6144, 4096, 4) is None
     # An H100's 25 GB/s per SM: within a wave as above, never from two waves.
     assert swap(16, 6144, 4096, 1, H100_GBPS) == swap(16, 6144, 4096)

@@ -360,19 +360,17 @@ SINGLE_ROUND_LAUNCH = {"tma": 0.8}
 
 # A TMA launch of a product of at most FEW_ROWS_TMA_MAX_ROWS rows, at least
 # FEW_ROWS_TMA_MIN_COLUMNS columns and FEW_ROWS_TMA_MIN_K deep, unsplit, costs
-# FEW_ROWS_TMA_CREDIT_US less than its fitted constant (few_rows_tma_credit). Off (0) until a
-# held-out A/B times the picks it moves: bench.plans / bench.ab --few-rows-tma-credit plan
-# with FEW_ROWS_TMA_CREDIT_FITTED_US.
+# FEW_ROWS_TMA_CREDIT_US less than its fitted constant (few_rows_tma_credit; bench
+# --no-few-rows-tma-credit plans without it).
 FEW_ROWS_TMA_MAX_ROWS = 32
-FEW_ROWS_TMA_MIN_COLUMNS = 1024
+FEW_ROWS_TMA_MIN_COLUMNS = 2048
 FEW_ROWS_TMA_MIN_K = 1024
-FEW_ROWS_TMA_CREDIT_FITTED_US = 2.0
-FEW_ROWS_TMA_CREDIT_US = 0.0
+FEW_ROWS_TMA_CREDIT_US = 2.0
 
 
 def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
     """What to take off the fitted launch of ``plan`` on an ``m`` x ``n`` x ``k`` product, in
-    microseconds: FEW_ROWS_TMA_CREDIT_US for the TMA kernel, unsplit, at most
+    microseconds: FEW_ROWS_TMA_CREDIT_US for the TMA kernel, unsplit (nor stream-K), at most
     FEW_ROWS_TMA_MAX_ROWS rows, FEW_ROWS_TMA_MIN_COLUMNS columns or more and K at least
     FEW_ROWS_TMA_MIN_K, else nothing.
 
@@ -381,13 +379,19 @@ def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
     of 16-32 rows ran faster on the TMA kernel than on the portable one in 79% of 38 pairs
     (docs/data/fewrows-shortk-plans-h200-2547e5e.csv; 60% of few-rows-plans-h200.csv's),
     which the constants predicted in 3% (5%): they over-charged TMA against the portable
-    kernel by a median 1.7 us (2.0). Taking 2 us off (FEW_ROWS_TMA_CREDIT_FITTED_US) at every
-    K and split, the picks among the timed plans of those 22 products went from 0.87x to 0.96x
-    of the fastest in geomean, but on sweep seeds 3000-3011 (H200, same run, docs/data/
-    fewrows-tma-credit-ab-h200-seeds3000-3011-0573ddc.csv) the 119 picks it moved ran 0.90x:
-    below K 1024 (3 us launches, where TMA's start is dearer) 0.64-1.2x, mostly slower; split
-    in K 0.73-1.12x; unsplit from K 1024 1.14x geomean (14 picks, 11 of 14 faster, 1.47x at
-    6 x 9152 x 1600, worst 0.885x), hence the bounds. Those bounds are read off that set."""
+    kernel by a median 1.7 us (2.0), hence 2 us. Measured on H200s, same runs:
+    - At every K, split and width of 1024 columns up (sweep seeds 3000-3011, docs/data/
+      fewrows-tma-credit-ab-h200-seeds3000-3011-0573ddc.csv) the 119 picks it moved ran
+      0.90x: below K 1024 (3 us launches, where TMA's start is dearer) 0.64-1.2x, mostly
+      slower; split in K 0.73-1.12x; unsplit from K 1024 1.14x geomean (14 picks, worst 0.885x
+      at 1216 columns), hence the K and split bounds.
+    - Held out with those (seeds 3012-3051, the 62 plain bf16 products bench.picks moved, each
+      arm twice, A B B A; docs/data/fewrows-tma-credit-ab-h200-seeds3012-3051-94247e7.csv):
+      32 picks moved on the H200, 1.10x geomean, 27 faster, 0.98x -> 1.08x cuBLAS; the four
+      slower (0.79-0.95x) all had under 2048 columns and lost a K split to an unsplit TMA
+      plan, as did the fit set's slowest from K 1024 (1216 columns), hence
+      FEW_ROWS_TMA_MIN_COLUMNS 2048: the other 27 ran 1.15x, worst 0.96x, 1.01x -> 1.15x
+      cuBLAS (that bound read off both sets)."""
     if (plan.kernel == "tma" and plan.split_k == 1 and not plan.stream_k
             and m <= FEW_ROWS_TMA_MAX_ROWS
             and n >= FEW_ROWS_TMA_MIN_COLUMNS and k >= FEW_ROWS_TMA_MIN_K):

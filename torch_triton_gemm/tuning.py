@@ -772,10 +772,10 @@ SWAP_MIN_K = 2048
 # 16-bit products within a wave from this K on; below SWAP_SHALLOW_K in K steps of
 # SWAP_SHALLOW_BLOCK_K (more steps in flight through K of 256-1023).
 SWAP_MIN_K_WITHIN_WAVE_16BIT = 256
-# fp8 products within a wave from this K on (SWAP_MIN_K until a held-out A/B times
-# SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED: bench.plans --fp8-swap-from-k-1024).
-SWAP_MIN_K_WITHIN_WAVE_FP8 = 2048
-SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED = 1024
+# fp8 products within a wave from this K on; below SWAP_MIN_K not at SWAP_SHALLOW_FP8_SKIP_ROWS
+# rows (bench.plans --fp8-swap-from-k-2048: the bound as it was, SWAP_MIN_K).
+SWAP_MIN_K_WITHIN_WAVE_FP8 = 1024
+SWAP_SHALLOW_FP8_SKIP_ROWS = 16
 SWAP_SHALLOW_K = 1024
 SWAP_SHALLOW_BLOCK_K = 64
 SWAP_MULTI_WAVE_BLOCK_K = 128
@@ -847,12 +847,18 @@ def swap_plan(m: int, n: int, k: int, element_size: int, num_sms: int,
       L and Qwen3-0.6B decode projections at 4, 16 and 32 rows, rowwise, docs/data/
       fp8-shortk-plans-h200-0573ddc.csv): the rule's tile against the pick 1.065x geomean on
       the 11 it would take (4 rows 1.11-1.15x on all four, 16 rows 0.99-1.02x, 32 rows
-      0.96-1.16x); the pick was already 1.3-2x torch._scaled_mm there. Not held out yet, so
-      fp8 starts at SWAP_MIN_K (--fp8-swap-from-k-1024 plans from K 1024).
+      0.96-1.16x). Held out (same run, each arm twice, A B B A; GPT-2 XL and Qwen3-0.6B qkv,
+      8 random layers of 5120-8000 x 1088-1952, seed 4000, and the fitted layers at other
+      row counts; 2-32 rows, rowwise and tensorwise; docs/data/
+      fp8-swap-shallow-k-ab-h200-94247e7.csv): 1.09x geomean on 250 moved, 230 faster,
+      against torch._scaled_mm 1.01x -> 1.11x; at 16 rows 1.00x (32, worst 0.85x: a 16-row
+      tile has no rows of padding to save), so not there (SWAP_SHALLOW_FP8_SKIP_ROWS); the
+      other 218 1.11x, worst 0.97x. 13-15 rows were not measured.
     """
     min_k = SWAP_MIN_K_WITHIN_WAVE_16BIT if element_size == 2 else SWAP_MIN_K_WITHIN_WAVE_FP8
     if (_device.interpreter_enabled() or element_size not in (1, 2)
-            or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < min_k):
+            or not SWAP_MIN_ROWS <= m <= SWAP_MAX_ROWS or k < min_k
+            or element_size == 1 and k < SWAP_MIN_K and m == SWAP_SHALLOW_FP8_SKIP_ROWS):
         return None
     width = 16 if m <= 16 else 32
     tiles = -(-n // 64)

@@ -408,17 +408,15 @@ RULE_FLAGS: tuple[tuple[str, Any, str, object, str], ...] = (
     ("--no-wgmma", plan_model, "WS_PLANS", False,
      "plan as if Hopper's warp-specialized kernel's 16-bit plans never competed "
      "(plan_model.WS_PLANS off)"),
-    ("--few-rows-tma-credit", plan_model, "FEW_ROWS_TMA_CREDIT_US",
-     plan_model.FEW_ROWS_TMA_CREDIT_FITTED_US,
-     "plan as if TMA launches of products of few rows against wide weights cost less than "
-     "their fitted constants (plan_model.few_rows_tma_credit on)"),
+    ("--no-few-rows-tma-credit", plan_model, "FEW_ROWS_TMA_CREDIT_US", 0.0,
+     "plan as if TMA launches of products of few rows against wide weights cost their "
+     "fitted constants (plan_model.few_rows_tma_credit off)"),
     ("--swap-from-k-2048", tuning, "SWAP_MIN_K_WITHIN_WAVE_16BIT", 2048,
      "plan as if 16-bit products of few rows ran transposed only from K 2048 (tuning."
      "swap_plan's shallow K within a wave off)"),
-    ("--fp8-swap-from-k-1024", tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8",
-     tuning.SWAP_MIN_K_WITHIN_WAVE_FP8_FITTED,
-     "plan as if fp8 products of few rows within a wave ran transposed from K 1024 (tuning."
-     "swap_plan's fp8 bound lowered)"),
+    ("--fp8-swap-from-k-2048", tuning, "SWAP_MIN_K_WITHIN_WAVE_FP8", 2048,
+     "plan as if fp8 products of few rows ran transposed only from K 2048 (tuning.swap_plan's "
+     "shallow K within a wave off for fp8)"),
     ("--no-blockwise-ws-split", tuning, "BLOCKWISE_WS_SPLIT_MIN_ROWS", 129,
      "plan as if blockwise fp8 products of 65-128 rows never took the warp-specialized "
      "kernel's K splits (tuning._blockwise_ws_split_plan off)"),
