@@ -1213,11 +1213,13 @@ def test_gpu_few_rows_run_transposed(recipe, fast, monkeypatch):
     from torch_triton_gemm.ops.scaled_mm import _gemm_scales
 
     # One wave of 96 tiles; 65 tiles, the last one ragged, and a K tail; 448 tiles (3.4 waves);
-    # 27 rows on 32-wide tiles. (N a multiple of 16: torch._scaled_mm, the error bound, needs it.)
+    # 27 rows on 32-wide tiles; K under 2048 within a wave (4 and 24 rows). (N a multiple of 16:
+    # torch._scaled_mm, the error bound, needs it.)
     # Two waves and more transposed on every GPU here, not only where the bandwidth per SM takes
     # them, so that their tiles run on any GPU.
     monkeypatch.setattr(tuning, "SWAP_MULTI_WAVE_MIN_GBPS_PER_SM", 0.0)
-    for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096), (27, 4096, 14336)):
+    for m, n, k in ((2, 6144, 4096), (5, 4112, 2064), (16, 28672, 4096), (27, 4096, 14336),
+                    (4, 4096, 1024), (24, 6400, 1600)):
         a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda")
         _, checked = _check_inputs(a, b, sa, sb, None, None)
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
