@@ -382,9 +382,9 @@ def few_rows_tma_credit(plan: tuning.MMPlan, m: int, n: int, k: int) -> float:
     kernel by a median 1.7 us (2.0), hence 2 us. Measured on H200s, same runs:
     - At every K, split and width of 1024 columns up (sweep seeds 3000-3011, docs/data/
       fewrows-tma-credit-ab-h200-seeds3000-3011-0573ddc.csv) the 119 picks it moved ran
-      0.90x: below K 1024 (3 us launches, where TMA's start is dearer) 0.64-1.2x, mostly
-      slower; split in K 0.73-1.12x; unsplit from K 1024 1.14x geomean (14 picks, worst 0.885x
-      at 1216 columns), hence the K and split bounds.
+      0.90x: below K 1024 (3 us kernels, where TMA's start is dearer) 0.87x (91 picks);
+      onto split plans from K 1024 0.97x (14); onto unsplit ones from K 1024 1.13x (14, worst
+      0.885x at 1216 columns), hence the K and split bounds.
     - Held out with those (seeds 3012-3051, the 62 plain bf16 products bench.picks moved, each
       arm twice, A B B A; docs/data/fewrows-tma-credit-ab-h200-seeds3012-3051-94247e7.csv):
       32 picks moved on the H200, 1.10x geomean, 27 faster, 0.98x -> 1.08x cuBLAS; the four
