@@ -625,8 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timed += len(plans)
                 file.flush()
                 torch.cuda.empty_cache()
+                label = rows[0]["dtype"] if rows else dtype  # fp8 cases: "fp8"
                 print(f"[{pass_index + 1}:{done}/{len(jobs)}] {case.m}x{case.n}x{case.k} "
-                      f"{dtype}: {len(plans)} plans, {time.perf_counter() - start:.0f} s",
+                      f"{label}: {len(plans)} plans, {time.perf_counter() - start:.0f} s",
                       file=sys.stderr)
             # Cases the time budget left out of a later pass keep the earlier passes' rows.
             for rows in kept[done:]:
