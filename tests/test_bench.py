@@ -2022,17 +2022,19 @@ def test_eager_plans_keeps_the_products_planned_on_the_asked_kernel(monkeypatch)
     assert [c.m for c, _, _, _ in eager_plans.moved(cases, ["bf16"], "portable")] == [16]
 
 
-def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, monkeypatch,
-                                                                     capsys):
-    """bench.ab: per seed, the cases a rule flag's arm plans differently (bench.picks, here
+def test_rule_ab_times_what_the_rule_moves_on_all_seeds_once_an_arm(tmp_path, monkeypatch,
+                                                                    capsys):
+    """bench.ab: the cases a rule flag's arm plans differently on each seed (bench.picks, here
     --portable-copies on seed 3003: 792 x 3141 x 64 and its like read their operands as they
-    are by default), each timed by bench.plans --chosen-only on both arms (replaced here by a
+    are by default; seed 3006 moves none), listed with their seed, then timed by one
+    bench.plans --chosen-only an arm over the seeds that moved any (replaced here by a
     stand-in that records its arguments and times the flag's arm, on copies, 1.25x the
-    default's), into one CSV with seed and arm and one per arm, reported by bench.compare; the
-    rule constants and memos as they were; a seed that moves nothing is skipped; exactly one
-    rule flag is taken, and only a plan model's."""
+    default's), into one CSV with seed and arm and one per arm, reported by bench.compare;
+    the rule constants and memos as they were. --moved-only lists without timing, --moved
+    times a list without listing; a run cut short keeps what was timed; exactly one rule
+    flag is taken, and only a plan model's."""
     from torch_triton_gemm import plan_model
-    from torch_triton_gemm.bench import ab, plans
+    from torch_triton_gemm.bench import ab, picks, plans
 
     calls: list[list[str]] = []
 
@@ -2065,29 +2067,48 @@ def test_rule_ab_times_what_the_rule_moves_on_each_seed_on_both_arms(tmp_path, m
     for arm in ("portable-copies", "default"):
         with open(tmp_path / f"ab-{arm}.csv", newline="") as file:
             assert {r["name"] for r in csv.DictReader(file)} == names
-    assert len(calls) == 2 and all("--chosen-only" in c and "3003" in c for c in calls)
+    with open(tmp_path / "ab-moved.csv", newline="") as file:
+        listed = list(csv.DictReader(file))
+    assert {r["name"] for r in listed} == names and {r["seed"] for r in listed} == {"3003"}
+    assert len(calls) == 2 and all(
+        "--chosen-only" in c and c[c.index("--seed") + 1] == "3003" for c in calls)
     printed = capsys.readouterr().out
     changed = next(line.strip() for line in printed.splitlines()
                    if line.strip().startswith("plan changed"))
     assert changed.split()[2:4] == [str(len(names)), "1.250"]
-    assert ab.seeds_of("3000-3002,3005") == [3000, 3001, 3002, 3005]
+    assert plans.seeds_of("3000-3002,3005") == [3000, 3001, 3002, 3005]
+    assert len(plans.seeded_cases(["sweep"], [3003, 3003], 8)) == 8  # drawn twice, kept once
     with pytest.raises(SystemExit):
         ab.main(["--seeds", "3003", "--csv", out])
-    # A run cut short (here in its second seed's first timing) keeps the seeds it finished.
-    cut = str(tmp_path / "cut.csv")
+    # Listing on one host, timing on another.
+    calls.clear()
+    listing = str(tmp_path / "list.csv")
+    assert ab.main(["--portable-copies", "--seeds", "3003", "--moved-only",
+                    "--csv", listing]) == 0
+    assert calls == [] and (tmp_path / "list-moved.csv").exists()
+    monkeypatch.setattr(picks, "main", lambda argv: pytest.fail("listed again"))
+    again = str(tmp_path / "again.csv")
+    assert ab.main(["--portable-copies", "--moved", str(tmp_path / "list-moved.csv"),
+                    "--csv", again]) == 0
+    with open(again, newline="") as file:
+        assert sorted(csv.DictReader(file), key=str) == sorted(rows, key=str)
+    # A run cut short (here in the default arm's timing) keeps the flag's arm's rows.
     calls.clear()
 
     def interrupted(argv: list[str]) -> int:
-        if len(calls) == 2:
+        if calls:
             raise KeyboardInterrupt
         return timed_plans(argv)
 
     monkeypatch.setattr(plans, "main", interrupted)
+    cut = str(tmp_path / "cut.csv")
     with pytest.raises(KeyboardInterrupt):
-        ab.main(["--portable-copies", "--seeds", "3003,3003", "--csv", cut])
+        ab.main(["--portable-copies", "--moved", str(tmp_path / "list-moved.csv"),
+                 "--csv", cut])
     with open(cut, newline="") as file:
         kept = list(csv.DictReader(file))
-    assert len(kept) == 2 * len(names) and {r["name"] for r in kept} == names
+    assert {r["name"] for r in kept} == names
+    assert {r["arm"] for r in kept} == {"--portable-copies"} and len(kept) == len(names)
     with pytest.raises(SystemExit):  # a rule outside the plan model moves no pick
         ab.main(["--swap-from-k-2048", "--seeds", "3003", "--csv", out])
     assert "not a plan model rule" in capsys.readouterr().err

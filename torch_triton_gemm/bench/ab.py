@@ -1,21 +1,23 @@
-"""A planner rule's held-out A/B, every seed in one process: the cases the rule moves on each
-seed's sweep (bench.picks: the plan model's picks with an H100's numbers, one arm against
-the other) and both arms' picks timed on this GPU (bench.plans --chosen-only); then
-bench.compare's report of the two arms.
+"""A planner rule's held-out A/B over many seeds: the cases the rule moves on each seed's
+sweep (bench.picks: the plan model's picks with an H100's numbers, one arm against the
+other), then both arms' picks of all of them timed on this GPU (bench.plans --chosen-only,
+one process an arm); then bench.compare's report of the two arms.
 
-    python -m torch_triton_gemm.bench.ab --portable-copies --seeds 3000-3007 --csv ab.csv
+    python -m torch_triton_gemm.bench.ab --portable-copies --seeds 3000-3039 --csv ab.csv
 
 The flag is one of bench.plans' rule flags of the plan model (bench.picks models no other
 rule: time those with bench.plans --chosen-only on both arms): its arm plans as the flag
 says, the other ("default") as the planner does. ``--csv ab.csv`` gets both arms' rows
 with ``seed`` and ``arm`` columns; ``ab-portable-copies.csv`` and ``ab-default.csv`` each
 arm's, as bench.plans writes them (with ``seed``), for ``python -m
-torch_triton_gemm.bench.compare``. The report's speed-up is the flag's arm's time over the
-default's (above 1: the default faster). One process for every seed saves a start and the
-compile of kernels the seeds share (about 10 s a seed on an H200's host); each seed's rows
-are written as soon as both its arms are timed, so a run cut short keeps the seeds it
-finished. Each arm's timing starts a pool of compile processes: about 30 s an arm, a minute
-a seed, on a fresh H200 machine, however few its cases.
+torch_triton_gemm.bench.compare``; ``ab-moved.csv`` the moved cases (with ``seed``). The
+report's speed-up is the flag's arm's time over the default's (above 1: the default faster).
+
+Listing the moved cases needs no GPU (bench.picks is arithmetic: a few seconds a seed and
+arm), so ``--moved-only`` stops after writing them, and ``--moved ab-moved.csv`` on the GPU
+host times that list without listing again. Each arm's timing starts a pool of compile
+processes (about 30 s on an H200's host), once per arm however many seeds; bench.plans
+writes each case's rows as it finishes, and a run cut short keeps what both arms timed.
 """
 
 from __future__ import annotations
@@ -30,22 +32,7 @@ from collections.abc import Callable, Sequence
 from .. import plan_model
 from ..ops import launcher, planner
 from . import compare, picks, plans
-
-
-def seeds_of(text: str) -> list[int]:
-    """Seeds from "A-B" (A to B inclusive) and comma-separated parts: "3000-3002,3005"."""
-    seeds: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected seeds such as 3000-3007, got {text!r}") from None
-        if last < first:
-            raise argparse.ArgumentTypeError(f"a range from {first} down to {last}")
-        seeds += range(first, last + 1)
-    return seeds
+from .plans import seeds_of
 
 
 def isolated(entry: Callable[[list[str]], int], argv: list[str]) -> bool:
@@ -80,11 +67,17 @@ def _read(path: str) -> list[dict[str, str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_triton_gemm.bench.ab",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=seeds_of, required=True, metavar="SEEDS",
+    parser.add_argument("--seeds", type=seeds_of, metavar="SEEDS",
                         help="sweep seeds: 3000-3007, or comma-separated")
     parser.add_argument("--count", type=int, default=400, help="shapes per seed's sweep")
     parser.add_argument("--dtypes", default="bf16", help="comma-separated: bf16, fp16")
     parser.add_argument("--csv", required=True)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--moved-only", action="store_true",
+                        help="write the moved cases (any host) and stop")
+    source.add_argument("--moved", metavar="CSV",
+                        help="time these moved cases (an earlier --moved-only run's) instead "
+                             "of listing them")
     plans.add_rule_flags(parser, " (the A/B's other arm; give exactly one)")
     args = parser.parse_args(argv)
     chosen = [flag for flag, *_ in plans.RULE_FLAGS
@@ -98,33 +91,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"{flag} is not a plan model rule, so bench.picks moves no case with it: "
                      f"time its arms with python -m torch_triton_gemm.bench.plans "
                      f"--chosen-only [{flag}] --shapes ...")
+    if args.moved is None and args.seeds is None:
+        parser.error("give --seeds (or --moved, a list of moved cases)")
     common = ["--count", str(args.count), "--dtypes", args.dtypes]
-    arms: dict[str, list[dict[str, str]]] = {flag: [], "default": []}
     root, ext = os.path.splitext(args.csv)
-    paths = {arm: f"{root}-{arm.lstrip('-')}{ext or '.csv'}" for arm in arms}
-    _write_arms(args.csv, paths, arms)
+    ext = ext or ".csv"
+    if args.moved is not None:
+        moved_path, moved = args.moved, _read(args.moved)
+    else:
+        moved_path, moved = f"{root}-moved{ext}", moved_cases(args.seeds, common, flag)
+        _write(moved_path, list(moved[0]) if moved else ["seed"], moved)
+        print(f"{len(moved)} moved cases written to {moved_path}", file=sys.stderr)
+        if args.moved_only:
+            return 0
+    if not moved:
+        print("the rule moves no pick", file=sys.stderr)
+        return 0
+    # The seed each case was first listed under, for the timed rows.
+    seed_of = {plans.row_key(row): row["seed"] for row in reversed(moved)}
+    seeds = ",".join(dict.fromkeys(row["seed"] for row in moved))
+    arms: dict[str, list[dict[str, str]]] = {flag: [], "default": []}
+    paths = {arm: f"{root}-{arm.lstrip('-')}{ext}" for arm in arms}
     with tempfile.TemporaryDirectory() as scratch:
-        for seed in args.seeds:
-            seeded = ["--seed", str(seed), *common]
-            other = os.path.join(scratch, f"picks-{seed}.csv")
-            moved = os.path.join(scratch, f"moved-{seed}.csv")
-            if not (isolated(picks.main, [*seeded, "--csv", other, flag])
-                    and isolated(picks.main, [*seeded, "--csv", moved, "--against", other])):
-                continue
-            if not _read(moved):
-                print(f"seed {seed}: the rule moves no pick", file=sys.stderr)
-                continue
+        timed = {arm: os.path.join(scratch, f"timed-{index}.csv")
+                 for index, arm in enumerate(arms)}
+        try:
             for arm, extra in ((flag, [flag]), ("default", [])):
-                timed = os.path.join(scratch, f"timed-{seed}-{len(extra)}.csv")
-                isolated(plans.main, ["--chosen-only", "--suites", "sweep", *seeded,
-                                      "--cases", moved, "--csv", timed, *extra])
-                arms[arm] += [{"seed": str(seed), **row} for row in _read(timed)]
-            # Each seed's rows as soon as both arms are timed: a run cut short keeps them.
+                isolated(plans.main, ["--chosen-only", "--suites", "sweep", "--seed", seeds,
+                                      *common, "--cases", moved_path, "--csv", timed[arm],
+                                      *extra])
+        finally:  # what both arms timed, also of a run cut short
+            for arm in arms:
+                arms[arm] = [{"seed": seed_of.get(plans.row_key(row), ""), **row}
+                             for row in _read(timed[arm])]
             _write_arms(args.csv, paths, arms)
     print(f"{sum(map(len, arms.values()))} rows written to {args.csv}, each arm's to "
           f"{paths[flag]} and {paths['default']}")
     print(compare.compare(paths[flag], paths["default"]))
     return 0
+
+
+def moved_cases(seeds: Sequence[int], common: list[str], flag: str) -> list[dict[str, str]]:
+    """The sweep cases of each of ``seeds`` whose plan ``flag`` changes (bench.picks, arguments
+    ``common`` besides the seed), with a ``seed`` column; seeds whose listing fails are
+    reported and left out."""
+    moved: list[dict[str, str]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in seeds:
+            seeded = ["--seed", str(seed), *common]
+            other = os.path.join(scratch, f"picks-{seed}.csv")
+            path = os.path.join(scratch, f"moved-{seed}.csv")
+            if (isolated(picks.main, [*seeded, "--csv", other, flag])
+                    and isolated(picks.main, [*seeded, "--csv", path, "--against", other])):
+                moved += [{"seed": str(seed), **row} for row in _read(path)]
+    return moved
 
 
 def _write_arms(path: str, paths: dict[str, str], arms: dict[str, list[dict[str, str]]]

@@ -73,6 +73,30 @@ FIELDS = ("suite", "name", "M", "N", "K", "a_layout", "b_layout", "a_pad", "b_pa
 AnyCase = Case | ScaledCase
 
 
+def seeds_of(text: str) -> list[int]:
+    """Seeds from "A-B" (A to B inclusive) and comma-separated parts: "3000-3002,3005"."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected seeds such as 3000-3007, got {text!r}") from None
+        if last < first:
+            raise argparse.ArgumentTypeError(f"a range from {first} down to {last}")
+        seeds += range(first, last + 1)
+    return seeds
+
+
+def seeded_cases(names: Sequence[str], seeds: Sequence[int], count: int,
+                 *args: Any) -> list[AnyCase]:
+    """``_cases`` of every seed in ``seeds`` in turn (``args``: _cases' after ``count``), a
+    case that several seeds draw (the same frozen case) once."""
+    return list(dict.fromkeys(case for seed in seeds
+                              for case in _cases(names, seed, count, *args)))
+
+
 def _cases(names: Sequence[str], seed: int, count: int,
            scaled_ms: Sequence[int] = suites.SCALED_LLAMA_MS,
            scaled_layers: Sequence[tuple[str, int, int]] = suites.LLAMA_LAYERS,
@@ -466,7 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "shapes it was not fitted on) instead of Llama-3-8B's")
     parser.add_argument("--accum", choices=("precise", "fast"), default=None,
                         help="scaled: only this accumulation mode")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=seeds_of, default=[1], metavar="SEEDS",
+                        help="the seeded suites' seed, or several (3000-3007, comma-separated: "
+                             "each seed's cases in turn)")
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--csv", required=True)
@@ -543,9 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scaled_ms = suites.SCALED_LLAMA_MS if args.scaled_ms is None else tuple(
         int(m) for m in args.scaled_ms.split(","))
     names = args.suites if args.suites is not None else "" if args.shapes else "sweep,classes"
-    cases = _cases([s.strip() for s in names.split(",") if s.strip()], args.seed, args.count,
-                   scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS, args.few_rows_n,
-                   args.shapes)
+    cases = seeded_cases([s.strip() for s in names.split(",") if s.strip()], args.seed,
+                         args.count, scaled_ms, args.scaled_layers or suites.LLAMA_LAYERS,
+                         args.few_rows_n, args.shapes)
     if args.max_n is not None:
         cases = [case for case in cases if case.n <= args.max_n]
     if args.max_flop is not None:
@@ -658,7 +684,8 @@ def case_key(name: str, m: int, n: int, k: int, dtype: str) -> CaseKey:
     return (name, int(m), int(n), int(k), dtype)
 
 
-def _row_key(row: dict[str, str]) -> CaseKey:
+def row_key(row: dict[str, str]) -> CaseKey:
+    """``case_key`` of a plan-sweep CSV's row (or any row with name, M, N, K and dtype)."""
     return case_key(row["name"], int(row["M"]), int(row["N"]), int(row["K"]), row["dtype"])
 
 
@@ -666,14 +693,14 @@ def trailing_cases(path: str, below: float) -> set[CaseKey]:
     """``case_key`` of the rows of the plan-sweep CSV at ``path`` whose ratio to cuBLAS is below
     ``below`` (rows without a ratio, failed ones, are left out)."""
     with open(path, newline="") as file:
-        return {_row_key(row) for row in csv.DictReader(file)
+        return {row_key(row) for row in csv.DictReader(file)
                 if row.get("ratio") and float(row["ratio"]) < below}
 
 
 def listed_cases(path: str) -> set[CaseKey]:
     """``case_key`` of every row of the CSV at ``path``."""
     with open(path, newline="") as file:
-        return {_row_key(row) for row in csv.DictReader(file)}
+        return {row_key(row) for row in csv.DictReader(file)}
 
 
 def faster_rows(first: Sequence[dict[str, object]],
