@@ -2089,7 +2089,8 @@ def test_rule_ab_times_what_the_rule_moves_on_all_seeds_once_an_arm(tmp_path, mo
     monkeypatch.setattr(picks, "main", lambda argv: pytest.fail("listed again"))
     again = str(tmp_path / "again.csv")
     assert ab.main(["--portable-copies", "--moved", str(tmp_path / "list-moved.csv"),
-                    "--csv", again]) == 0
+                    "--count", "8", "--csv", again]) == 0  # the list's sweeps: 400 cases
+    assert all(c[c.index("--count") + 1] == "400" for c in calls)
     with open(again, newline="") as file:
         assert sorted(csv.DictReader(file), key=str) == sorted(rows, key=str)
     # A run cut short (here in the default arm's timing) keeps the flag's arm's rows.

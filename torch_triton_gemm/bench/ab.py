@@ -93,12 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"--chosen-only [{flag}] --shapes ...")
     if args.moved is None and args.seeds is None:
         parser.error("give --seeds (or --moved, a list of moved cases)")
-    common = ["--count", str(args.count), "--dtypes", args.dtypes]
     root, ext = os.path.splitext(args.csv)
     ext = ext or ".csv"
     if args.moved is not None:
         moved_path, moved = args.moved, _read(args.moved)
+        # The sweeps the list was drawn from (their size decides which cases they hold).
+        count = next((row["count"] for row in moved if row.get("count")), str(args.count))
+        common = ["--count", count, "--dtypes", args.dtypes]
     else:
+        common = ["--count", str(args.count), "--dtypes", args.dtypes]
         moved_path, moved = f"{root}-moved{ext}", moved_cases(args.seeds, common, flag)
         _write(moved_path, list(moved[0]) if moved else ["seed"], moved)
         print(f"{len(moved)} moved cases written to {moved_path}", file=sys.stderr)
@@ -133,8 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def moved_cases(seeds: Sequence[int], common: list[str], flag: str) -> list[dict[str, str]]:
     """The sweep cases of each of ``seeds`` whose plan ``flag`` changes (bench.picks, arguments
-    ``common`` besides the seed), with a ``seed`` column; seeds whose listing fails are
-    reported and left out."""
+    ``common`` besides the seed: ``--count`` first), with ``seed`` and ``count`` columns; seeds
+    whose listing fails are reported and left out."""
     moved: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in seeds:
@@ -143,7 +146,8 @@ def moved_cases(seeds: Sequence[int], common: list[str], flag: str) -> list[dict
             path = os.path.join(scratch, f"moved-{seed}.csv")
             if (isolated(picks.main, [*seeded, "--csv", other, flag])
                     and isolated(picks.main, [*seeded, "--csv", path, "--against", other])):
-                moved += [{"seed": str(seed), **row} for row in _read(path)]
+                moved += [{"seed": str(seed), "count": common[1], **row}
+                          for row in _read(path)]
     return moved
 
 
