@@ -98,11 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.moved is not None:
         moved_path, moved = args.moved, _read(args.moved)
         # The sweeps the list was drawn from (their size decides which cases they hold).
-        count = next((row["count"] for row in moved if row.get("count")), str(args.count))
-        common = ["--count", count, "--dtypes", args.dtypes]
+        count = next((int(row["count"]) for row in moved if row.get("count")), args.count)
     else:
-        common = ["--count", str(args.count), "--dtypes", args.dtypes]
-        moved_path, moved = f"{root}-moved{ext}", moved_cases(args.seeds, common, flag)
+        count = args.count
+        moved_path = f"{root}-moved{ext}"
+        moved = moved_cases(args.seeds, count, args.dtypes, flag)
         _write(moved_path, list(moved[0]) if moved else ["seed"], moved)
         print(f"{len(moved)} moved cases written to {moved_path}", file=sys.stderr)
         if args.moved_only:
@@ -110,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not moved:
         print("the rule moves no pick", file=sys.stderr)
         return 0
+    common = ["--count", str(count), "--dtypes", args.dtypes]
     # The seed each case was first listed under, for the timed rows.
     seed_of = {plans.row_key(row): row["seed"] for row in reversed(moved)}
     seeds = ",".join(dict.fromkeys(row["seed"] for row in moved))
@@ -134,19 +135,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def moved_cases(seeds: Sequence[int], common: list[str], flag: str) -> list[dict[str, str]]:
-    """The sweep cases of each of ``seeds`` whose plan ``flag`` changes (bench.picks, arguments
-    ``common`` besides the seed: ``--count`` first), with ``seed`` and ``count`` columns; seeds
-    whose listing fails are reported and left out."""
+def moved_cases(seeds: Sequence[int], count: int, dtypes: str, flag: str
+                ) -> list[dict[str, str]]:
+    """The cases of each of ``seeds``' sweeps of ``count`` shapes in ``dtypes`` whose plan
+    ``flag`` changes (bench.picks), with ``seed`` and ``count`` columns; seeds whose listing
+    fails are reported and left out."""
     moved: list[dict[str, str]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for seed in seeds:
-            seeded = ["--seed", str(seed), *common]
+            seeded = ["--seed", str(seed), "--count", str(count), "--dtypes", dtypes]
             other = os.path.join(scratch, f"picks-{seed}.csv")
             path = os.path.join(scratch, f"moved-{seed}.csv")
             if (isolated(picks.main, [*seeded, "--csv", other, flag])
                     and isolated(picks.main, [*seeded, "--csv", path, "--against", other])):
-                moved += [{"seed": str(seed), "count": common[1], **row}
+                moved += [{"seed": str(seed), "count": str(count), **row}
                           for row in _read(path)]
     return moved
 
