@@ -1863,6 +1863,30 @@ def test_fit_says_what_is_wrong_with_its_input(tmp_path, capsys):
 
 
 
+def test_fit_scales_only_products_whose_pick_the_constants_cost():
+    """bench.fit's --scale-by: a pick the constants do not cost (splits finishing their own
+    tiles without fixup constants, stream-K) leaves its product out rather than raising."""
+    from torch_triton_gemm import plan_model, tuning
+    from torch_triton_gemm.bench import fit
+
+    costs = plan_model.H100_COSTS
+    assert "fixup" not in costs.launch_us  # else pick a plan these constants leave out
+    tile = tuning.TileConfig(64, 64, 64, 8, 4, 5)
+
+    def timed(name: str, plan: tuning.MMPlan, us: float) -> fit.Timed:
+        return fit.Timed(("f", "sweep", name, 64, 256, 4096, "row", "col", "", "", "bf16"),
+                         64, 256, 4096, 2, True, plan, False, False, us, 10.0, True)
+
+    plain = tuning.MMPlan("portable", tile, split_k=4)
+    fixup = dataclasses.replace(plain, split_fixup=True)
+    rows = [timed("a", plain, 20.0), timed("b", fixup, 20.0), timed("b", plain, 30.0)]
+    scaled = fit.scaled_to_model(rows, rows[:2], costs)
+    assert [r.shape[2] for r in scaled] == ["a"]
+    predicted = plan_model.predict_us(costs, plain, 64, 256, 4096, 2, 2, True, False, False, 0)
+    assert scaled[0].us == pytest.approx(predicted)
+    assert scaled[0].cublas_us == pytest.approx(10.0 * predicted / 20.0)
+
+
 def test_command_examples_in_docstrings_keep_their_line_breaks():
     """A docstring example's continuation needs an escaped backslash (``\\\\``): a bare one
     joins the two lines in the rendered text (``--help`` shows it)."""

@@ -129,11 +129,11 @@ def scaled_to_model(rows: Sequence[Timed], picks: Sequence[Timed],
     model's prediction for that product's pick in ``picks`` (a ``--chosen-only`` run of the
     same session) over the pick's measured time, so that a kernel's timings on another GPU
     (or another day) can be fitted beside constants fitted elsewhere. Products without such a
-    pick (none timed, transposed, or on a kernel the constants do not cost) are left out."""
-    costed = {key[0] for key in costs.tiles} | set(plan_model.REFINES)
+    pick (none timed, transposed, or a plan the constants do not cost) are left out."""
+    kernels = {key[0] for key in costs.tiles} | set(plan_model.REFINES)
     factors = {}
     for pick in picks:
-        if _cost_kernel(pick) not in costed:
+        if _cost_kernel(pick) not in kernels or not costed(pick, costs):
             continue
         predicted = plan_model.predict_us(
             costs, pick.plan, pick.m, pick.n, pick.k, pick.element_size, 2, pick.aligned,
@@ -174,6 +174,13 @@ def _cost_kernel(r: Timed) -> str:
     return plan_model.cost_kernel(r.plan.kernel, r.narrow, r.a_m_contiguous,
                                   plan_model.one_step(r.plan, r.k, r.element_size),
                                   r.pitch_vector)
+
+
+def costed(r: Timed, costs: plan_model.Costs) -> bool:
+    """Whether the planner costs ``r``'s plan with ``costs``: it leaves stream-K out (see
+    tuning.plan_space's ``stream_k``), and splits that finish their own tiles where the
+    constants do not cost them."""
+    return not r.plan.stream_k and ("fixup" in costs.launch_us or not r.plan.split_fixup)
 
 
 def _key(r: Timed) -> tuple[str, int, int, int, int]:
@@ -310,7 +317,7 @@ def rebase_launches(rows: Sequence[Timed], costs: plan_model.Costs,
 
     by_kernel: dict[str, list[Timed]] = defaultdict(list)
     for r in rows:
-        if r.plan.stream_k or (r.plan.split_fixup and "fixup" not in costs.launch_us):
+        if not costed(r, costs):
             continue
         by_kernel[_key(r)[0]].append(r)
     offsets = {}
@@ -354,10 +361,7 @@ def check(costs: plan_model.Costs, rows: Sequence[Timed]) -> dict[str, float]:
     picked, oracle, heuristic, worst = [], [], [], []
     for timed in shapes.values():
         first = timed[0]
-        # The planner leaves stream-K out (see tuning.plan_space's ``stream_k``), and splits
-        # that finish their own tiles where the constants do not cost them.
-        eligible = [r for r in timed if not r.plan.stream_k and (
-            "fixup" in costs.launch_us or not r.plan.split_fixup)] or timed
+        eligible = [r for r in timed if costed(r, costs)] or timed
         # The planner's own choice (best_plan) among the timed plans.
         by_plan: dict[tuning.MMPlan, Timed] = {}
         for r in eligible:
