@@ -487,6 +487,35 @@ def test_direct_tma_launches_get_the_shared_scratch_buffer(recorder, device, mon
 
 
 @pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
+def test_blockwise_scale_a_by_tma_where_its_rows_are_contiguous():
+    """A blockwise launch of the precise fp8 kernel has its loader bring scale_a by TMA
+    (SCALE_TMA) where the scales' rows are contiguous (stride (1, M): torch's layout) with
+    16-byte aligned K blocks and one scale a row; not for K-contiguous scales, rows whose K
+    blocks start off 16 bytes, an unaligned base, nor 128-row blocks of a."""
+    from torch_triton_gemm.ops.launcher import GemmScales
+
+    plan = tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tuning.TileConfig(192, 128, 64, 4, 4, 4))
+
+    def scale_tma(m: int, k: int, scale_a: torch.Tensor, a_rows: int = 1) -> bool:
+        a = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+        w = torch.empty(256, k, dtype=torch.float8_e4m3fn)
+        out = torch.empty(m, 256, dtype=torch.bfloat16)
+        scale_b = torch.ones(-(-k // 128), 2)
+        scales = GemmScales("block", scale_a, scale_b, (*scale_a.stride(), *scale_b.stride()),
+                            a_rows, 128)
+        ((_, meta, _),) = launcher.prepare_launch(a, w.t(), None, out, "none", False, plan,
+                                                  scales).launches
+        return meta.get("SCALE_TMA", False)
+
+    assert scale_tma(256, 1000, torch.ones(8, 256).t())  # M-major, a partial last K block
+    assert scale_tma(16, 512, torch.ones(4, 16).t())
+    assert not scale_tma(256, 1024, torch.ones(256, 8))  # K-contiguous
+    assert not scale_tma(258, 1024, torch.ones(8, 258).t())  # 1032-byte K blocks
+    assert not scale_tma(256, 1024, torch.ones(8 * 256 + 1)[1:].view(8, 256).t())
+    assert not scale_tma(256, 1024, torch.ones(8, 2).t(), a_rows=128)
+
+
+@pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
 def test_warp_specialized_k_splits_launch_with_a_reduction():
     """A K-split plan of the warp-specialized kernel launches one persistent program per SM
     (at most one per unit) over tiles x splits units with SPLIT set and no bias (the

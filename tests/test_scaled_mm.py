@@ -1042,6 +1042,15 @@ for kernel, consumers, stages, regs, out in (
     waits = re.findall(r"wgmma.wait_group.sync.aligned\\s+(\\d+)", ptx)
     print(consumers, len(re.findall(r"wgmma.mma_async.sync.aligned.m64n128k32", ptx)),
           sorted(set(waits)), len(waits), "setmaxnreg" in ptx, "cp.async.bulk.tensor" in ptx)
+
+# Blockwise scale_a by TMA (SCALE_TMA): 1-D copies into the slots, and per consumer the two
+# loads of scale_a a step gone (scale_b's stays).
+constants = dict(HAS_BIAS=False, CONSUMERS=3, BLOCK_N=128, GROUP_M=8, STAGES=4,
+                 CONSUMER_REGS=160, BLOCKWISE=True, A_ROWS=1, ws_ptr=None, locks_ptr=None)
+for scale_tma in (False, True):
+    ptx = compile_for(ws_gemm_kernel, pointers, dict(constants, SCALE_TMA=scale_tma),
+                      aligned, num_warps=4).asm["ptx"]
+    print(scale_tma, "cp.async.bulk.tensor.1d" in ptx, len(re.findall(r"ld\\.global", ptx)))
 """
 
 
@@ -1057,6 +1066,10 @@ def test_fp8_precise_kernel_compiles_for_hopper():
     out = _run_without_interpreter(_PRECISE_COMPILE_SCRIPT).split("\n")
     assert out[:3] == ["2 8 ['0'] 2 True True", "3 12 ['0'] 3 True True",
                        "2 8 ['0'] 2 True True"], out
+    (loads, tma_1d, loads_left), (by_tma, tma_1d_by_tma, loads_left_by_tma) = (
+        line.split() for line in out[3:5])
+    assert (loads, tma_1d, by_tma, tma_1d_by_tma) == ("False", "False", "True", "True"), out
+    assert int(loads_left_by_tma) == int(loads_left) - 3 * 2 * 2, out  # before and in the loop
 
 
 def _on_hopper_with_gluon() -> bool:
@@ -1134,34 +1147,88 @@ def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
     assert rel_error(static_out, ref) <= TOLERANCE
 
 
+def _m_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` [rows, K blocks] laid out rows-contiguous (stride (1, rows)), as torch's
+    blockwise scaled_mm takes a's 1x128 scales."""
+    return scale.t().contiguous().t()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"),
+@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"), ("blockwise", "m-major"),
                                      ("blockwise_128x128", "blockwise_128x128")], ids=str)
 @pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_precise_kernel_blockwise(recipes, shape):
     """Blockwise products with 128x128 blocks for b on the precise kernel (scales applied at
-    each K step's promotion, a partial last K block included): every output written, with fp32
-    out within 1e-3 of the float64 reference (fp32 promotion every 128 of K; the fp8 budget is
+    each K step's promotion, a partial last K block included; "m-major": a's 1x128 scales
+    rows-contiguous, which the loader brings by TMA): every output written, with fp32 out
+    within 1e-3 of the float64 reference (fp32 promotion every 128 of K; the fp8 budget is
     1e-2), and as close to the Triton kernels' result."""
     if not _on_hopper_with_gluon():
         pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.launcher import prepare_launch
     from torch_triton_gemm.ops.planner import plan_mm
     from torch_triton_gemm.ops.scaled_mm import _gemm_scales
 
     (ra, rb), (m, n, k) = recipes, shape
+    m_major = rb == "m-major"
+    ra = rb = ra if m_major else rb
     a, b, sa, sb = quantized_pair(m, n, k, ra, rb, "cuda")
+    if m_major:
+        sa = _m_major(sa)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out_dtype, checked = _check_inputs(a, b, sa, sb, bias, torch.float32)
     out = _poisoned((m, n), out_dtype, "cuda")
-    plan = plan_mm(a, b, bias, out, "none", False, _gemm_scales(checked, sa, sb, False))
+    scales = _gemm_scales(checked, sa, sb, False)
+    plan = plan_mm(a, b, bias, out, "none", False, scales)
     assert plan.kernel == tuning.FP8_PRECISE_KERNEL
+    ((_, meta, _),) = prepare_launch(a, b, bias, out, "none", False, plan, scales).launches
+    assert meta.get("SCALE_TMA", False) == m_major
     launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
     ref = reference(a, b, sa, sb, ra, rb, bias)
     assert rel_error(out, ref) <= 1e-3
     triton_out = _poisoned((m, n), out_dtype, "cuda")
     launch_scaled_mm(a, b, sa, sb, bias, triton_out, checked, False, traceable=True)
     assert rel_error(out, triton_out.double()) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_blockwise_scales_by_tma_compiled_and_in_cuda_graphs():
+    """Blockwise with a's scales rows-contiguous (brought by TMA, descriptor built on the
+    device even where a CUDA graph's launch takes host-built operand descriptors): eager,
+    under torch.compile and replayed in a CUDA graph with new operands and scales, each
+    against float64 (bf16 out: the fp8 tolerance)."""
+    if not _on_hopper_with_gluon():
+        pytest.skip("the precise kernel runs on sm_90 GPUs with a Triton that has Gluon")
+    from torch_triton_gemm.ops.planner import plan_mm
+    from torch_triton_gemm.ops.scaled_mm import _gemm_scales
+
+    m, n, k = 1024, 2304, 2048
+    a, b, sa, sb = quantized_pair(m, n, k, "blockwise", "blockwise", "cuda")
+    sa = _m_major(sa)
+    _, checked = _check_inputs(a, b, sa, sb, None, None)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    scales = _gemm_scales(checked, sa, sb, False)
+    assert plan_mm(a, b, None, out, "none", False, scales).kernel == tuning.FP8_PRECISE_KERNEL
+    assert rel_error(tg.scaled_mm(a, b, sa, sb), reference(
+        a, b, sa, sb, "blockwise", "blockwise")) <= TOLERANCE
+    compiled = torch.compile(lambda *t: tg.scaled_mm(*t) * 2, fullgraph=True)
+    assert rel_error(compiled(a, b, sa, sb), 2 * reference(
+        a, b, sa, sb, "blockwise", "blockwise")) <= TOLERANCE
+    for _ in range(3):  # the host-descriptor variant built and loaded by eager calls
+        tg.scaled_mm(a, b, sa, sb)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = tg.scaled_mm(a, b, sa, sb)
+    for _ in range(2):
+        a2, _, sa2, _ = quantized_pair(m, n, k, "blockwise", "blockwise", "cuda")
+        _refill(a, a2)
+        _refill(sa, _m_major(sa2))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        ref = reference(a, b, sa, sb, "blockwise", "blockwise")
+        assert rel_error(static_out, ref) <= TOLERANCE
 
 
 @pytest.mark.gpu
@@ -1179,6 +1246,8 @@ def test_gpu_precise_kernel_k_splits(recipe):
         a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda", E4M3, E4M3)
         if recipe == "tensorwise":
             sa, sb = sa.reshape(()), sb.reshape(())
+        if recipe == "blockwise" and m == 16:
+            sa = _m_major(sa)  # scale_a by TMA (the 130 rows' K blocks are not 16-byte aligned)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         bound = 1e-3
         if recipe != "blockwise":

@@ -454,8 +454,10 @@ def _fp8_precise_fitted_tile(consumers: int, out_size: int, group_m: int) -> Til
 
 def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
     """Shared memory of the precise fp8 kernel: ``stages`` slots of A (64 rows per consumer)
-    and B (128 columns) 128 fp8 values deep, and a C tile per consumer."""
-    return stages * (consumers * 64 + 128) * 128 + consumers * 64 * 128 * out_size
+    and B (128 columns) 128 fp8 values deep, with blockwise scale_a's 64 fp32 values per
+    consumer (counted for every recipe), and a C tile per consumer."""
+    return (stages * ((consumers * 64 + 128) * 128 + consumers * 64 * 4)
+            + consumers * 64 * 128 * out_size)
 
 
 def _fp8_precise_tile_of(consumers: int, stages: int, group_m: int) -> TileConfig:

@@ -188,8 +188,15 @@ if AVAILABLE:
         the next slot once its consumers have released it. ``operands``: the descriptors,
         shared buffers, barriers and sizes (_gemm's ``loader``)."""
         (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K, splits,
-         k_per_split) = operands
+         k_per_split, scale_tma, stride_sak) = operands
+        sa_desc, sa_bufs = scale_tma
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
+        # Blockwise scale_a by TMA (SCALE_TMA): each consumer's 64 scales of a K step ride
+        # in the step's slot, on its barrier.
+        SCALE_TMA: gl.constexpr = sa_desc is not None
+        slot_bytes: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes
+                                    + b_desc.block_type.nbytes
+                                    + (CONSUMERS * _ROWS * 4 if SCALE_TMA else 0))
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         k_steps = gl.cdiv(K, BLOCK_K)
         split_steps = gl.cdiv(k_per_split, BLOCK_K)
@@ -209,11 +216,13 @@ if AVAILABLE:
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), (step // STAGES) & 1)
                 bar = ready.index(slot)
-                mbarrier.expect(bar, CONSUMERS * a_desc.block_type.nbytes
-                                + b_desc.block_type.nbytes)
+                mbarrier.expect(bar, slot_bytes)
                 for c in gl.static_range(CONSUMERS):
                     _tma_load(a_desc, [off_m + c * _ROWS, k * BLOCK_K], bar,
                               a_bufs.index(slot * CONSUMERS + c))
+                    if SCALE_TMA:
+                        _tma_load(sa_desc, [k * stride_sak + off_m + c * _ROWS], bar,
+                                  sa_bufs.index(slot * CONSUMERS + c))
                 _tma_load(b_desc, [off_b, k * BLOCK_K], bar, b_bufs.index(slot))
                 step += 1
             tile += gl.num_programs(0)
@@ -238,7 +247,9 @@ if AVAILABLE:
         barriers, tensors and sizes (_gemm's ``shared``)."""
         (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr, ws_ptr, offs_ptr, sa_ptr,
          sb_ptr, G, M, N, K, splits, k_per_split, stride_cm, stride_bias_g, stride_bias_n,
-         stride_sam, stride_sak, stride_sbg, stride_sbk, stride_sbn) = operands
+         stride_sam, stride_sak, stride_sbg, stride_sbk, stride_sbn, scale_tma) = operands
+        sa_bufs = scale_tma[1]
+        SCALE_TMA: gl.constexpr = sa_bufs is not None
         BLOCK_M: gl.constexpr = _ROWS * CONSUMERS
         BLOCK_K: gl.constexpr = a_bufs.shape[2]
         INSTR_K: gl.constexpr = 32 if SCALED else 16
@@ -275,11 +286,13 @@ if AVAILABLE:
                 bias = gl.load(bias_ptr + g * stride_bias_g + cols * stride_bias_n,
                                mask=cols < N, other=0.0)
             if BLOCKWISE:
-                # A step's scales are loaded one step ahead, while the wgmma before runs.
+                # A step's scales are loaded one step ahead, while the wgmma before runs
+                # (scale_a's, unless the loader brings them: SCALE_TMA).
                 step_rows = off_m + gl.arange(0, _ROWS, layout=row_layout)
                 sa_ptrs = sa_ptr + (step_rows // A_ROWS) * stride_sam
                 sb_step = sb_ptr + (off_n // _SCALE_BLOCK) * stride_sbn
-                sa_next = gl.load(sa_ptrs + k0 * stride_sak, mask=step_rows < M, other=0.0)
+                if not SCALE_TMA:
+                    sa_next = gl.load(sa_ptrs + k0 * stride_sak, mask=step_rows < M, other=0.0)
                 sb_next = gl.load(sb_step + k0 * stride_sbk)
             acc = gl.zeros((_ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
             if not SCALED:
@@ -305,10 +318,17 @@ if AVAILABLE:
                                          b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
                                          is_async=True)
                     if BLOCKWISE:
-                        step_scale = sa_next * sb_next
                         more = k + 1 < k1
-                        sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
-                                          mask=(step_rows < M) & more, other=0.0)
+                        if SCALE_TMA:
+                            # Read before the slot is released. (Registers loaded a step
+                            # ahead were copied within the step, which so waited for the
+                            # loads: an L2 round trip a K step, on sm_90.)
+                            step_scale = sa_bufs.index(slot * CONSUMERS + CONSUMER).load(
+                                row_layout) * sb_next
+                        else:
+                            step_scale = sa_next * sb_next
+                            sa_next = gl.load(sa_ptrs + (k + 1) * stride_sak,
+                                              mask=(step_rows < M) & more, other=0.0)
                         sb_next = gl.load(sb_step + (k + 1) * stride_sbk, mask=more, other=0.0)
                     part = warpgroup_mma_wait(0, deps=(part,))
                     mbarrier.arrive(empty.index(slot), count=1)
@@ -407,21 +427,37 @@ if AVAILABLE:
               GROUPED: gl.constexpr, BLOCKWISE: gl.constexpr, A_ROWS: gl.constexpr,
               HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, CONSUMERS: gl.constexpr,
               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMER_REGS: gl.constexpr, HOST_DESCRIPTORS: gl.constexpr):
-        """Descriptors, shared memory and barriers, then the warp-specialized partitions."""
+              CONSUMER_REGS: gl.constexpr, HOST_DESCRIPTORS: gl.constexpr,
+              SCALE_TMA: gl.constexpr = False):
+        """Descriptors, shared memory and barriers, then the warp-specialized partitions.
+        SCALE_TMA (BLOCKWISE with A_ROWS 1, scale_a's rows contiguous and 16-byte aligned):
+        scale_a read by TMA into the K steps' slots, as a flat [(K blocks - 1) * stride_sak +
+        M] vector (rows past M read the next K block's or zeros: never stored)."""
         # B as its transpose [N, K], the groups' stacked along its rows ([G * N, K]).
         a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty = _shared_operands(
             a_ptr, b_ptr, c_ptr, c_host_desc, M, N, K, G * N, stride_am, stride_bn, stride_cm,
             HOST_DESCRIPTORS, CONSUMERS, CONSUMERS, CONSUMERS, BLOCK_N, STAGES)
         SCALED: gl.constexpr = a_desc.dtype.primitive_bitwidth == 8
+        if SCALE_TMA:
+            sa_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                           element_bitwidth=32, rank=1)
+            sa_desc = tma.make_tensor_descriptor(
+                sa_ptr, shape=[(gl.cdiv(K, _SCALE_BLOCK) - 1) * stride_sak + M], strides=[1],
+                block_shape=[_ROWS], layout=sa_layout)
+            # (scale_a's descriptor and slots; None, None without: a literal, as a tuple
+            # element cannot be a variable holding None)
+            scale_tma = (sa_desc, gl.allocate_shared_memory(
+                gl.float32, [STAGES * CONSUMERS, _ROWS], sa_layout))
+        else:
+            scale_tma = (None, None)
         # Partitions are listed statically: the default one (the kernel's 4 warps) is the
         # first consumer, then the other consumers (4 warps each) and the loader (1 warp).
         shared = (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, bias_ptr, ws_ptr,
                   offs_ptr, sa_ptr, sb_ptr, G, M, N, K, splits, k_per_split, stride_cm,
                   stride_bias_g, stride_bias_n, stride_sam, stride_sak, stride_sbg, stride_sbk,
-                  stride_sbn)
+                  stride_sbn, scale_tma)
         loader = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, offs_ptr, G, M, N, K, splits,
-                  k_per_split)
+                  k_per_split, scale_tma, stride_sak)
         if CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer_partition, (shared, 0, CONSUMERS, GROUPED, SCALED, BLOCKWISE, A_ROWS,
@@ -541,7 +577,7 @@ if AVAILABLE:
                                             BLOCK_N, GROUP_M, STAGES)),
             # (the shared-tile form's loader: two 64-row A boxes a slot, tile after tile)
             (_load_partition, ((a_desc, b_desc, a_bufs, b_bufs, ready, empty, None, 1, M, N, K,
-                                1, K), False, 2, BLOCK_N, GROUP_M, STAGES)),
+                                1, K, (None, None), 0), False, 2, BLOCK_N, GROUP_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
     # The entry kernels' leading tensors match the Triton kernels their launchers run (the
@@ -556,8 +592,8 @@ if AVAILABLE:
                        CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False,
-                       SPLIT: gl.constexpr = False, HOST_DESCRIPTORS: gl.constexpr = False,
-                       c_host_desc=None):
+                       SPLIT: gl.constexpr = False, SCALE_TMA: gl.constexpr = False,
+                       HOST_DESCRIPTORS: gl.constexpr = False, c_host_desc=None):
         """C = A @ B + bias for K-contiguous A [M, K] and B [K, N] (described as B's transpose
         [N, K]). fp8: (A * scale_a) @ (B * scale_b), fp32 promotion every K step; tensorwise or
         rowwise scales (stride 0 for one) in the epilogue, or BLOCKWISE ones (scale_a [row
@@ -571,8 +607,11 @@ if AVAILABLE:
         splits = 1 and k_per_split = K. HOST_DESCRIPTORS (CUDA-graph captures,
         ops/graph_descriptors.py): a_ptr and b_ptr are A's and B's TMA descriptors and
         c_host_desc C's, as ``host_descriptors`` builds them, so that no program spends its
-        first microseconds building them; c_host_desc stays the last parameter. See the module
-        docstring. Launch with num_warps=4, at most one program per SM."""
+        first microseconds building them; c_host_desc stays the last parameter. SCALE_TMA
+        (BLOCKWISE, A_ROWS 1, stride_sam 1, sa_ptr 16-byte aligned, stride_sak a multiple of
+        4): the loader brings scale_a by TMA with the operands (ops/operands.py's
+        ``blockwise_scale_tma``). See
+        the module docstring. Launch with num_warps=4, at most one program per SM."""
         if PINGPONG:
             _pingpong_gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, M, N, K, stride_am,
                            stride_bn, stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M,
@@ -582,7 +621,7 @@ if AVAILABLE:
                   N, K, splits, k_per_split, stride_am, stride_bn, stride_cm, 0, stride_bias,
                   stride_sam, stride_sak, 0, stride_sbk, stride_sbn, False, BLOCKWISE, A_ROWS,
                   HAS_BIAS, SPLIT, CONSUMERS, BLOCK_N, GROUP_M, STAGES, CONSUMER_REGS,
-                  HOST_DESCRIPTORS)
+                  HOST_DESCRIPTORS, SCALE_TMA)
 
     @gluon.jit(do_not_specialize=["G", "M", "N", "K", "stride_am", "stride_bn", "stride_cm"])
     def fp8_grouped_precise_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, offs_ptr, sa_ptr, sb_ptr,

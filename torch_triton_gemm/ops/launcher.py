@@ -33,7 +33,7 @@ from ..kernels.matmul import (
 from . import graph_descriptors
 from .checks import ceil_div, check, input_precision, needs_int64_indexing
 from .compile_pool import POOL, trailing_arguments, variant_key
-from .operands import Pad, kernel_operands, warp_specialized_operands
+from .operands import Pad, blockwise_scale_tma, kernel_operands, warp_specialized_operands
 
 
 class GemmScales(NamedTuple):
@@ -316,6 +316,9 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
     meta = {"CONSUMERS": consumers, "BLOCK_N": tile.block_n, "GROUP_M": tile.group_m,
             "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
             "PINGPONG": pingpong, "SPLIT": splits > 1, "num_warps": 4}
+    if scales is not None and scales.mode == "block" and blockwise_scale_tma(
+            scales.scale_a, scales.a_rows, scales.strides[0], scales.strides[1], M, K):
+        meta["SCALE_TMA"] = True
     workspace = reduce = None
     if splits > 1:
         workspace = (tiles * splits, tile.block_m, tile.block_n)

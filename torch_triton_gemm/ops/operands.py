@@ -52,6 +52,16 @@ def warp_specialized_16_bit(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor)
             and warp_specialized_operands(a, b, out))
 
 
+def blockwise_scale_tma(scale_a: torch.Tensor, a_rows: int, stride_sam: int, stride_sak: int,
+                        M: int, K: int) -> bool:
+    """Whether the warp-specialized kernel's loader brings blockwise ``scale_a`` (one scale per
+    ``a_rows`` rows and 128 of K, read through its strides) by TMA (its SCALE_TMA): one scale
+    a row, the rows contiguous (the M-major layout torch's blockwise scaled_mm takes), each K
+    block's first row 16-byte aligned, and the flat vector they span within 2^31 elements."""
+    return (a_rows == 1 and stride_sam == 1 and stride_sak % 4 == 0 and base_aligned(scale_a)
+            and (-(-K // wgmma_fp8.SCALE_BLOCK) - 1) * stride_sak + M < 2 ** 31)
+
+
 def tma_operand(rows: int, cols: int, stride_rows: int, stride_cols: int,
                 element_size: int) -> tuple[bool, int, int] | None:
     """(rows contiguous?, stride of rows, stride of columns) as the TMA kernel should see a
