@@ -1147,21 +1147,16 @@ def test_gpu_precise_kernel_compiled_and_in_cuda_graphs():
     assert rel_error(static_out, ref) <= TOLERANCE
 
 
-def _m_major(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` [rows, K blocks] laid out rows-contiguous (stride (1, rows)), as torch's
-    blockwise scaled_mm takes a's 1x128 scales."""
-    return scale.t().contiguous().t()
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"), ("blockwise", "m-major"),
+@pytest.mark.parametrize("recipes", [("blockwise", "blockwise"), ("blockwise", "k-major"),
                                      ("blockwise_128x128", "blockwise_128x128")], ids=str)
 @pytest.mark.parametrize("shape", [(1024, 2304, 1024), (1000, 2320, 1008), (4100, 4112, 528)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_precise_kernel_blockwise(recipes, shape):
     """Blockwise products with 128x128 blocks for b on the precise kernel (scales applied at
-    each K step's promotion, a partial last K block included; "m-major": a's 1x128 scales
-    rows-contiguous, which the loader brings by TMA): every output written, with fp32 out
+    each K step's promotion, a partial last K block included; a's 1x128 scales as quantize
+    gives them, rows-contiguous, which the loader brings by TMA, or "k-major": each row's
+    contiguous): every output written, with fp32 out
     within 1e-3 of the float64 reference (fp32 promotion every 128 of K; the fp8 budget is
     1e-2), and as close to the Triton kernels' result."""
     if not _on_hopper_with_gluon():
@@ -1171,11 +1166,11 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
     from torch_triton_gemm.ops.scaled_mm import _gemm_scales
 
     (ra, rb), (m, n, k) = recipes, shape
-    m_major = rb == "m-major"
-    ra = rb = ra if m_major else rb
+    k_major = rb == "k-major"
+    rb = ra if k_major else rb
     a, b, sa, sb = quantized_pair(m, n, k, ra, rb, "cuda")
-    if m_major:
-        sa = _m_major(sa)
+    if k_major:
+        sa = sa.contiguous()
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     out_dtype, checked = _check_inputs(a, b, sa, sb, bias, torch.float32)
     out = _poisoned((m, n), out_dtype, "cuda")
@@ -1183,7 +1178,7 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
     plan = plan_mm(a, b, bias, out, "none", False, scales)
     assert plan.kernel == tuning.FP8_PRECISE_KERNEL
     ((_, meta, _),) = prepare_launch(a, b, bias, out, "none", False, plan, scales).launches
-    assert meta.get("SCALE_TMA", False) == m_major
+    assert meta.get("SCALE_TMA", False) == (ra == "blockwise" and not k_major)
     launch_scaled_mm(a, b, sa, sb, bias, out, checked, False, traceable=False)
     ref = reference(a, b, sa, sb, ra, rb, bias)
     assert rel_error(out, ref) <= 1e-3
@@ -1194,7 +1189,7 @@ def test_gpu_precise_kernel_blockwise(recipes, shape):
 
 @pytest.mark.gpu
 def test_gpu_blockwise_scales_by_tma_compiled_and_in_cuda_graphs():
-    """Blockwise with a's scales rows-contiguous (brought by TMA, descriptor built on the
+    """Blockwise with a's scales rows-contiguous (quantize's layout: brought by TMA, built on the
     device even where a CUDA graph's launch takes host-built operand descriptors): eager,
     under torch.compile and replayed in a CUDA graph with new operands and scales, each
     against float64 (bf16 out: the fp8 tolerance)."""
@@ -1205,7 +1200,7 @@ def test_gpu_blockwise_scales_by_tma_compiled_and_in_cuda_graphs():
 
     m, n, k = 1024, 2304, 2048
     a, b, sa, sb = quantized_pair(m, n, k, "blockwise", "blockwise", "cuda")
-    sa = _m_major(sa)
+    assert sa.stride() == (1, m)  # (quantize's layout: rows-contiguous)
     _, checked = _check_inputs(a, b, sa, sb, None, None)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     scales = _gemm_scales(checked, sa, sb, False)
@@ -1224,7 +1219,7 @@ def test_gpu_blockwise_scales_by_tma_compiled_and_in_cuda_graphs():
     for _ in range(2):
         a2, _, sa2, _ = quantized_pair(m, n, k, "blockwise", "blockwise", "cuda")
         _refill(a, a2)
-        _refill(sa, _m_major(sa2))
+        _refill(sa, sa2)
         static_out.fill_(float("nan"))
         graph.replay()
         ref = reference(a, b, sa, sb, "blockwise", "blockwise")
@@ -1246,8 +1241,6 @@ def test_gpu_precise_kernel_k_splits(recipe):
         a, b, sa, sb = quantized_pair(m, n, k, recipe, recipe, "cuda", E4M3, E4M3)
         if recipe == "tensorwise":
             sa, sb = sa.reshape(()), sb.reshape(())
-        if recipe == "blockwise" and m == 16:
-            sa = _m_major(sa)  # scale_a by TMA (the 130 rows' K blocks are not 16-byte aligned)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         bound = 1e-3
         if recipe != "blockwise":

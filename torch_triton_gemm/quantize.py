@@ -17,7 +17,9 @@ for its a operand (x is [M, K]) or its b operand (x is [K, N]), so that ``data *
 (kb = ceil(K/128), a partial last block allowed; fp4 data are [M, K/2] for a and [K/2, N] for
 b, two values a byte along K, the even K index in the low nibble; e8m0 is float8_e8m0fnu, e4m3
 float8_e4m3fn.) Data come back K-major, the layout Hopper's fp8 tensor cores want: a row-major,
-b column-major (the transpose of a contiguous [N, K] tensor, as ``weight.t()`` is).
+b column-major (the transpose of a contiguous [N, K] tensor, as ``weight.t()`` is). a's 1x128
+blockwise scales come back rows-contiguous (stride (1, M), torch's layout for them), which
+Hopper's precise fp8 kernel reads by TMA; scaled_mm takes any strides.
 
 Scales: fp8 recipes use float32 amax / (fp8 max). mxfp8 / mxfp4 use the power of two
 2^ceil(log2(amax / format max)), so no value saturates. nvfp4 uses amax / 6 rounded to e4m3 and
@@ -167,6 +169,8 @@ def quantize(x: torch.Tensor, recipe: str, operand: str = "a", *,
         scale = scale.reshape(())
     if operand == "b":
         data, scale = data.t(), (scale.t() if scale.dim() == 2 else scale)
+    elif rows == 1 and recipe.startswith("blockwise"):
+        scale = scale.t().contiguous().t()  # rows-contiguous (see the module docstring)
     return data, scale
 
 
