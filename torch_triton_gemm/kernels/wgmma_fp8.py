@@ -614,8 +614,8 @@ if AVAILABLE:
         first microseconds building them; c_host_desc stays the last parameter. SCALE_TMA
         (BLOCKWISE, A_ROWS 1, stride_sam 1, sa_ptr 16-byte aligned, stride_sak a multiple of
         4): the loader brings scale_a by TMA with the operands (ops/operands.py's
-        ``blockwise_scale_tma``). See
-        the module docstring. Launch with num_warps=4, at most one program per SM."""
+        ``blockwise_scale_tma``). See the module docstring. Launch with num_warps=4, at most
+        one program per SM."""
         if PINGPONG:
             _pingpong_gemm(a_ptr, b_ptr, c_ptr, c_host_desc, bias_ptr, M, N, K, stride_am,
                            stride_bn, stride_cm, stride_bias, HAS_BIAS, BLOCK_N, GROUP_M,
