@@ -487,12 +487,16 @@ def test_direct_tma_launches_get_the_shared_scratch_buffer(recorder, device, mon
 
 
 @pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")
-def test_blockwise_scale_a_by_tma_where_its_rows_are_contiguous():
+def test_blockwise_scale_a_by_tma_where_its_rows_are_contiguous(monkeypatch):
     """A blockwise launch of the precise fp8 kernel has its loader bring scale_a by TMA
     (SCALE_TMA) where the scales' rows are contiguous (stride (1, M): torch's layout) with
-    16-byte aligned K blocks and one scale a row; not for K-contiguous scales, rows whose K
-    blocks start off 16 bytes, an unaligned base, nor 128-row blocks of a."""
+    16-byte aligned K blocks and one scale a row, and the plan leaves shared memory spare;
+    not for K-contiguous scales, rows whose K blocks start off 16 bytes, an unaligned base,
+    128-row blocks of a, nor a plan within FP8_SCALE_TMA_SPARE_BYTES of the limit."""
+    from torch_triton_gemm import device as tgemm_device
     from torch_triton_gemm.ops.launcher import GemmScales
+
+    monkeypatch.setattr(tgemm_device, "shared_memory_per_block", lambda index: 232448)
 
     plan = tuning.MMPlan(tuning.FP8_PRECISE_KERNEL, tuning.TileConfig(192, 128, 64, 4, 4, 4))
 
@@ -513,6 +517,11 @@ def test_blockwise_scale_a_by_tma_where_its_rows_are_contiguous():
     assert not scale_tma(258, 1024, torch.ones(8, 258).t())  # 1032-byte K blocks
     assert not scale_tma(256, 1024, torch.ones(8 * 256 + 1)[1:].view(8, 256).t())
     assert not scale_tma(256, 1024, torch.ones(8, 2).t(), a_rows=128)
+    needed = tuning._fp8_precise_shared(3, 4, 2) + tuning.FP8_SCALE_TMA_SPARE_BYTES
+    for limit, expected in ((needed, True), (needed - 1, False)):
+        monkeypatch.setattr(tgemm_device, "shared_memory_per_block",
+                            lambda index, limit=limit: limit)
+        assert scale_tma(256, 1024, torch.ones(8, 256).t()) == expected
 
 
 @pytest.mark.skipif(not wgmma_fp8.AVAILABLE, reason="Gluon (Triton 3.5+)")

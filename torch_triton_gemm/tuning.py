@@ -460,6 +460,20 @@ def _fp8_precise_shared(consumers: int, stages: int, out_size: int) -> int:
             + consumers * 64 * 128 * out_size)
 
 
+def fp8_precise_fits(consumers: int, stages: int, out_size: int, spare: int = 0) -> bool:
+    """Whether the precise fp8 kernel's shared memory (``_fp8_precise_shared``) fits this
+    GPU's with ``spare`` bytes left."""
+    return _fp8_precise_shared(consumers, stages, out_size) + spare <= (
+        _device.shared_memory_per_block(0))
+
+
+# Shared memory a precise fp8 launch must leave spare for its loader to bring blockwise scales
+# by TMA (kernels/wgmma_fp8.py's SCALE_TMA): on the tightest variant that fits (2 consumers, 5
+# stages, fp32 out) Triton counted 288 bytes over _fp8_precise_shared (barriers, alignment),
+# leaving 224 of an H100's 232448; closer variants keep their scales in registers.
+FP8_SCALE_TMA_SPARE_BYTES = 1024
+
+
 def _fp8_precise_tile_of(consumers: int, stages: int, group_m: int) -> TileConfig:
     # TileConfig's block_k is written for 2-byte inputs (see _for_dtype): 64 is 128 fp8 values.
     return TileConfig(64 * consumers, 128, 64, group_m, 4, stages)

@@ -317,7 +317,9 @@ def _prepare_warp_specialized(a: torch.Tensor, b: torch.Tensor, bias: torch.Tens
             "STAGES": tile.num_stages, "CONSUMER_REGS": wgmma_fp8.CONSUMER_REGS[consumers],
             "PINGPONG": pingpong, "SPLIT": splits > 1, "num_warps": 4}
     if scales is not None and scales.mode == "block" and blockwise_scale_tma(
-            scales.scale_a, scales.a_rows, scales.strides[0], scales.strides[1], M, K):
+            scales.scale_a, scales.a_rows, scales.strides[0], scales.strides[1], M, K
+    ) and tuning.fp8_precise_fits(consumers, tile.num_stages, out.element_size(),
+                                  tuning.FP8_SCALE_TMA_SPARE_BYTES):
         meta["SCALE_TMA"] = True
     workspace = reduce = None
     if splits > 1:
