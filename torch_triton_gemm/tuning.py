@@ -446,8 +446,7 @@ def _fp8_precise_fitted_tile(consumers: int, out_size: int, group_m: int) -> Til
     """The precise fp8 kernel's tile of ``consumers`` warpgroups with 4 stages where the shared
     memory holds them, else fewer."""
     stages = 4
-    while stages > 2 and _fp8_precise_shared(consumers, stages, out_size) > (
-            _device.shared_memory_per_block(0)):
+    while stages > 2 and not fp8_precise_fits(consumers, stages, out_size):
         stages -= 1
     return _fp8_precise_tile_of(consumers, stages, group_m)
 
@@ -550,7 +549,7 @@ def ws_split_plans(m: int, n: int, k: int, element_size: int, out_size: int,
             if tile.block_n != 128:
                 continue
             kernel = FP8_PRECISE_KERNEL
-            fits = _fp8_precise_shared(tile.block_m // 64, tile.num_stages, out_size) <= limit
+            fits = fp8_precise_fits(tile.block_m // 64, tile.num_stages, out_size)
         else:
             kernel = WS_KERNEL
             fits = ws_shared_bytes(tile, out_size) <= limit
@@ -568,10 +567,9 @@ def ws_split_plans(m: int, n: int, k: int, element_size: int, out_size: int,
 def fp8_precise_plans(out_size: int) -> list[MMPlan]:
     """Every plan of the precise fp8 kernel whose shared memory fits the GPU (2 or 3
     consumers, 3 to 5 stages, L2 bands of 4 to 16 tile rows): what the plan sweep times."""
-    limit = _device.shared_memory_per_block(0)
     return [MMPlan(FP8_PRECISE_KERNEL, _fp8_precise_tile_of(consumers, stages, group_m))
             for consumers in (2, 3) for stages in (3, 4, 5) for group_m in (4, 8, 16)
-            if _fp8_precise_shared(consumers, stages, out_size) <= limit]
+            if fp8_precise_fits(consumers, stages, out_size)]
 
 
 def fp8_grouped_precise_tile(m: int, n: int, groups: int, num_sms: int,
